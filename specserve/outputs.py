@@ -1,0 +1,51 @@
+"""What the engine hands back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.engine.sequence import TokenLogprob
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_cached_prompt_tokens: int
+    num_preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: everything so far plus what is new since the last output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[TokenLogprob] | None
+    metrics: RequestMetrics
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Output tokens per second after the first token (decode speed)."""
+        m = self.metrics
+        if m.finish_time is None or m.first_token_time is None or len(self.token_ids) < 2:
+            return None
+        dt = m.finish_time - m.first_token_time
+        return (len(self.token_ids) - 1) / dt if dt > 0 else None

@@ -1,0 +1,86 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from specserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate and how to pick each token.
+
+    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable
+    those filters. Penalties follow the OpenAI (presence, frequency: over the
+    output so far) and CTRL/transformers (repetition: over prompt and output)
+    definitions. `logprobs=n` returns the sampled token's log-probability and
+    the n most likely alternatives under the model's raw distribution.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a bare string or any sequence for the tuple fields.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(name, msg)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "every stop string must be a non-empty string")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def needs_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
