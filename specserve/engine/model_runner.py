@@ -37,12 +37,16 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, batch: tuple[ScheduledSeq, ...]) -> torch.Tensor:
-        """Run one forward over every scheduled token; logits [num sampling requests, vocab] (float32)."""
+    def execute(self, batch: tuple[ScheduledSeq, ...], all_logits: bool = False) -> torch.Tensor:
+        """Run one forward over every scheduled token.
+
+        Returns float32 logits [number of sampling requests, vocab], one row per request
+        whose step reaches its last token; with `all_logits`, one row per scheduled token.
+        """
         input_ids, positions, slots, sample_idx = self._flatten(batch)
         meta = AttentionMetadata(slot_mapping=slots, groups=self._groups(batch))
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        return self.model.compute_logits(hidden[sample_idx])
+        return self.model.compute_logits(hidden if all_logits else hidden[sample_idx])
 
     def _flatten(self, batch: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, ...]:
         bs = self.block_size
