@@ -80,7 +80,7 @@ class ModelRunner:
         for item in batch:
             n = item.num_new_tokens
             if item.seq.num_computed_tokens == 0:
-                groups.append(self._causal_group(offset, n))
+                groups.append(AttentionGroup(causal_range=(offset, offset + n)))
             elif n <= SMALL_QUERY:
                 small.append((offset, item))
             else:
@@ -90,41 +90,41 @@ class ModelRunner:
             groups.append(self._padded_group(small))
         return tuple(groups)
 
-    def _causal_group(self, offset: int, n: int) -> AttentionGroup:
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        return AttentionGroup(
-            q_index=empty, q_valid=empty.bool(), kv_slots=empty, mask=empty.bool(), out_index=empty,
-            causal_range=(offset, offset + n),
-        )
-
     def _padded_group(self, items: list[tuple[int, ScheduledSeq]]) -> AttentionGroup:
         """Requests with cached context: each query sees the cached prefix and earlier new tokens."""
         bs = self.block_size
         dev = self.device
-        q_pad = max(it.num_new_tokens for _, it in items)
-        ctx_lens = [it.seq.num_computed_tokens + it.num_new_tokens for _, it in items]
-        kv_pad = max(ctx_lens)
         g = len(items)
-        arange_q = torch.arange(q_pad, device=dev)
-        arange_kv = torch.arange(kv_pad, device=dev)
-        q_index = torch.empty(g, q_pad, dtype=torch.long, device=dev)
-        kv_slots = torch.zeros(g, kv_pad, dtype=torch.long, device=dev)
-        n_new = torch.tensor([it.num_new_tokens for _, it in items], device=dev)
-        ctx = torch.tensor(ctx_lens, device=dev)
-        for row, (offset, item) in enumerate(items):
-            q_index[row] = offset + torch.clamp(arange_q, max=item.num_new_tokens - 1)
-            table = torch.tensor(item.seq.block_table, dtype=torch.long, device=dev)
-            n_ctx = ctx_lens[row]
-            kv_slots[row, :n_ctx] = table[arange_kv[:n_ctx] // bs] * bs + arange_kv[:n_ctx] % bs
+        n_new_list = [it.num_new_tokens for _, it in items]
+        ctx_lens = [it.seq.num_computed_tokens + it.num_new_tokens for _, it in items]
+        q_pad, kv_pad = max(n_new_list), max(ctx_lens)
+        slots = torch.zeros(g, kv_pad, dtype=torch.long)
+        for row, (_, item) in enumerate(items):
+            n_blocks = -(-ctx_lens[row] // bs)
+            table = torch.tensor(item.seq.block_table[:n_blocks], dtype=torch.long)
+            slots[row, : ctx_lens[row]] = (table[:, None] * bs + torch.arange(bs)).flatten()[: ctx_lens[row]]
+        kv_slots = slots.to(dev)
+        first = items[0][0]
+        single_token_run = q_pad == 1 and all(off == first + r for r, (off, _) in enumerate(items))
+        if single_token_run and min(ctx_lens) == kv_pad:
+            return AttentionGroup(kv_slots=kv_slots, q_start=first)  # every query sees every key
+
+        arange_q = torch.arange(q_pad)
+        arange_kv = torch.arange(kv_pad)
+        n_new = torch.tensor(n_new_list)
+        ctx = torch.tensor(ctx_lens)
         q_valid = arange_q[None, :] < n_new[:, None]
         # Query j of a row sits at position ctx - n_new + j and sees keys at positions <= its own.
         q_pos = (ctx - n_new)[:, None] + arange_q[None, :]
         mask = arange_kv[None, None, :] <= q_pos[:, :, None]
         mask &= q_valid[:, :, None] | (arange_kv == 0)[None, None, :]  # padding rows see key 0 only
+        rep = self.model.config.num_heads // self.model.config.num_kv_heads
+        tiled = mask[:, None].repeat(1, 1, rep, 1).to(dev)  # query axis: head-group-major, as SDPA sees it
+        if single_token_run:
+            return AttentionGroup(kv_slots=kv_slots, mask=tiled, q_start=first)
+        offsets = torch.tensor([off for off, _ in items])
+        q_index = (offsets[:, None] + torch.minimum(arange_q[None, :], n_new[:, None] - 1)).to(dev)
+        q_valid = q_valid.to(dev)
         return AttentionGroup(
-            q_index=q_index,
-            q_valid=q_valid,
-            kv_slots=kv_slots,
-            mask=mask[:, None],
-            out_index=q_index[q_valid],
+            kv_slots=kv_slots, mask=tiled, q_index=q_index, q_valid=q_valid, out_index=q_index[q_valid]
         )

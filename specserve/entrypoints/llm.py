@@ -42,6 +42,7 @@ def build_model(
         if missing or unexpected:
             raise ValueError(f"model: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     net.eval()
+    net.pack_weights()
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
     return net, tokenizer, limit
 

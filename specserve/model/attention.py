@@ -22,20 +22,24 @@ import torch.nn.functional as F
 class AttentionGroup:
     """Requests attended in one SDPA call.
 
-    q_index: [G, Qp] flat token index of each query row (padding rows repeat a valid index)
-    q_valid: [G, Qp] True for real query rows
     kv_slots: [G, Lp] cache slot of each key, in position order (padding: slot 0)
-    mask: [G, 1, Qp, Lp] True where the query may attend to the key
+    mask: [G, 1, rep * Qp, Lp] True where the query may attend to the key, with the
+        query axis laid out head-group-major (see `_to_kv_major`); None when every
+        query sees every key (e.g. single-token decodes of equal context length)
+    q_index: [G, Qp] flat token index of each query row (padding rows repeat a valid
+        index), or None when row g's single query is token `q_start + g`
+    q_valid: [G, Qp] True for real query rows (unused when q_index is None)
     out_index: [N] flat token index of each valid query row, in q_valid order
     causal_range: (start, end) when the group is one request whose whole context is
-        the new tokens [start, end) with a causal mask; lets SDPA skip the gather.
+        the new tokens [start, end) with a causal mask; SDPA then needs no gather.
     """
 
-    q_index: torch.Tensor
-    q_valid: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
-    out_index: torch.Tensor
+    kv_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    q_index: torch.Tensor | None = None
+    q_valid: torch.Tensor | None = None
+    out_index: torch.Tensor | None = None
+    q_start: int = 0
     causal_range: tuple[int, int] | None = None
 
 
@@ -93,15 +97,23 @@ class PagedAttention:
                 s, e = group.causal_range
                 out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
                 continue
-            rep = self.num_heads // self.num_kv_heads
-            q_len = group.q_index.shape[1]
-            qg = _to_kv_major(q[group.q_index], self.num_kv_heads)
+            assert group.kv_slots is not None
+            g = group.kv_slots.shape[0]
+            if group.q_index is None:
+                qs = q[group.q_start : group.q_start + g, None]  # [G, 1, H, D]
+            else:
+                qs = q[group.q_index]
+            q_len = qs.shape[1]
             kg = k_flat[group.kv_slots].transpose(1, 2)  # [G, KVH, Lp, D]
             vg = v_flat[group.kv_slots].transpose(1, 2)
-            mask = group.mask if rep == 1 else group.mask.repeat(1, 1, rep, 1)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(
+                _to_kv_major(qs, self.num_kv_heads), kg, vg, attn_mask=group.mask, scale=self.scale
+            )
             o = _from_kv_major(o, self.num_heads, q_len)
-            out[group.out_index] = o[group.q_valid]
+            if group.q_index is None:
+                out[group.q_start : group.q_start + g] = o[:, 0]
+            else:
+                out[group.out_index] = o[group.q_valid]
         return out
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

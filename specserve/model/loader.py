@@ -111,21 +111,18 @@ def _read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def hf_to_engine_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename transformers' parameter names to ours and fuse q/k/v and gate/up."""
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    embed = hf["model.embed_tokens.weight"]
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": embed, "norm.weight": hf["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+        out["lm_head.weight"] = hf.get("lm_head.weight", embed)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         o = f"layers.{i}."
-        out[o + "self_attn.qkv_proj.weight"] = torch.cat(
-            [hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0
-        )
+        out[o + "self_attn.qkv_proj.weight"] = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
         if cfg.attention_bias:
-            out[o + "self_attn.qkv_proj.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], dim=0)
+            out[o + "self_attn.qkv_proj.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
         out[o + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
-        out[o + "mlp.gate_up_proj.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
-        )
+        out[o + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         out[o + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
         out[o + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[o + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]

@@ -1,0 +1,98 @@
+"""Block accounting: reference counts, the prefix cache (chained hashes, token check), LRU reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine import block_manager as bm_module
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.sequence import Sequence
+from specserve.sampling_params import SamplingParams
+
+
+def seq(tokens: list[int], name: str = "s") -> Sequence:
+    return Sequence(name, list(tokens), SamplingParams(), 0.0, max_total_len=len(tokens) + 8)
+
+
+def compute_all(bm: BlockManager, s: Sequence) -> None:
+    """Pretend the forward ran over every token of `s`."""
+    assert bm.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.register_full_blocks(s)
+
+
+def test_allocate_is_all_or_nothing_and_free_returns_everything() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(list(range(10)))
+    assert bm.allocate(a, 10) and len(a.block_table) == 3
+    b = seq(list(range(8)), "b")
+    assert not bm.allocate(b, 8)  # needs 2, only 1 free: nothing taken
+    assert b.block_table == [] and bm.num_free_blocks == 1
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and a.block_table == []
+
+
+def test_prefix_hit_shares_blocks_with_refcounts() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(list(range(10)))
+    compute_all(bm, a)  # blocks for tokens 0-3 and 4-7 are full and cached
+    b = seq(list(range(9)) + [99], "b")
+    hit = bm.match_prefix(b.token_ids())
+    assert hit == a.block_table[:2]
+    assert bm.can_admit(hit, b.num_tokens)
+    bm.admit(b, hit)
+    assert b.num_computed_tokens == 8
+    bm.free(a)
+    assert bm.num_free_blocks == 8 - 2  # the two shared blocks are still held by b
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_last_token_is_never_served_from_cache() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(list(range(8)))
+    compute_all(bm, a)
+    bm.free(a)
+    assert len(bm.match_prefix(list(range(8)))) == 1  # the block holding the last token is recomputed
+    assert len(bm.match_prefix(list(range(9)))) == 2
+
+
+def test_freed_blocks_stay_cached_until_reused_lru() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq([1, 2, 3, 4, 5])
+    compute_all(bm, a)
+    bm.free(a)
+    assert len(bm.match_prefix([1, 2, 3, 4, 9])) == 2  # still cached after free
+    filler = seq([7, 7], "f")
+    assert bm.allocate(filler, 2)  # takes the least recently freed block: one never used by a
+    assert len(bm.match_prefix([1, 2, 3, 4, 9])) == 2
+    filler2 = seq([8] * 6, "g")
+    assert bm.allocate(filler2, 6)  # now the cached blocks must be recycled
+    assert bm.match_prefix([1, 2, 3, 4, 9]) == []
+
+
+def test_hash_collision_is_caught_by_token_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 42)  # every block collides
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = seq([1, 2, 3])
+    compute_all(bm, a)
+    assert bm.match_prefix([5, 6, 7]) == []  # same hash, different tokens: no hit
+    assert len(bm.match_prefix([1, 2, 7])) == 1
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a = seq([1, 2, 3, 4, 5])
+    compute_all(bm, a)
+    assert bm.match_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_double_free_is_detected() -> None:
+    bm = BlockManager(num_blocks=2, block_size=2)
+    a = seq([1, 2])
+    assert bm.allocate(a, 2)
+    table = list(a.block_table)
+    bm.free(a)
+    a.block_table = table
+    with pytest.raises(AssertionError):
+        bm.free(a)

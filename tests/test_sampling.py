@@ -1,0 +1,143 @@
+"""Sampling: filters mask exactly what they define, penalties change logits as defined, draws follow
+the processed distribution, seeds reproduce, logprobs are the model's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.engine.sampler import Sampler, apply_filters, apply_penalties
+from specserve.engine.sequence import Sequence
+from specserve.sampling_params import SamplingParams
+
+
+def make_seq(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None) -> Sequence:
+    s = Sequence("r", prompt or [0], params, 0.0, max_total_len=100)
+    s.output_token_ids = list(output or [])
+    if params.seed is not None:
+        s.generator = torch.Generator().manual_seed(params.seed)
+    return s
+
+
+LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
+
+
+def kept(params: SamplingParams) -> list[int]:
+    out = apply_filters(LOGITS.clone(), [params])
+    return torch.nonzero(torch.isfinite(out[0])).flatten().tolist()
+
+
+def test_top_k_keeps_k_most_likely() -> None:
+    assert kept(SamplingParams(top_k=2)) == [0, 1]
+    assert kept(SamplingParams(top_k=0)) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    assert kept(SamplingParams(top_p=0.69)) == [0, 1]  # 0.4 + 0.3 reaches 0.69
+    assert kept(SamplingParams(top_p=0.71)) == [0, 1, 2]
+    assert kept(SamplingParams(top_p=0.1)) == [0]  # the top token always stays
+
+
+def test_min_p_drops_tokens_below_fraction_of_max() -> None:
+    assert kept(SamplingParams(min_p=0.5)) == [0, 1]  # threshold 0.2
+    assert kept(SamplingParams(min_p=0.24)) == [0, 1, 2, 3]  # threshold 0.096
+
+
+def test_filters_apply_per_row() -> None:
+    logits = LOGITS.repeat(3, 1)
+    out = apply_filters(logits, [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_p=0.69)])
+    assert torch.isfinite(out).sum(dim=1).tolist() == [1, 5, 2]
+
+
+def test_penalties_follow_definitions() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    # token 0 appears twice in the output, token 1 once in the prompt.
+    rep = apply_penalties(logits.clone(), [[1]], [[0, 0]], [SamplingParams(repetition_penalty=2.0)])
+    assert rep.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive logits divided, negative multiplied
+    freq = apply_penalties(logits.clone(), [[1]], [[0, 0]], [SamplingParams(frequency_penalty=0.5)])
+    assert freq.tolist() == [[1.0, -2.0, 1.0, 0.5]]  # 2.0 - 0.5 * count 2; the prompt doesn't count
+    pres = apply_penalties(logits.clone(), [[1]], [[0, 0]], [SamplingParams(presence_penalty=0.5)])
+    assert pres.tolist() == [[1.5, -2.0, 1.0, 0.5]]
+
+
+def test_greedy_is_argmax_and_penalty_changes_it() -> None:
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sampler(logits, [make_seq(SamplingParams(temperature=0))]).token_ids == [0]
+    penalized = make_seq(SamplingParams(temperature=0, repetition_penalty=1.5), output=[0])
+    assert sampler(logits, [penalized]).token_ids == [1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_p=0.8),
+     SamplingParams(temperature=1.0, top_k=3)],
+    ids=["t1", "t0.5", "top_p", "top_k"],
+)
+def test_draws_follow_the_processed_distribution(params: SamplingParams) -> None:
+    n = 20000
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = LOGITS.repeat(n, 1)
+    seqs = [make_seq(params) for _ in range(n)]
+    tokens = torch.tensor(sampler(logits, seqs).token_ids)
+    expected = apply_filters(LOGITS / params.temperature, [params]).softmax(-1)[0]
+    support = expected > 0
+    counts = torch.bincount(tokens, minlength=5).double()
+    assert counts[~support].sum() == 0, "drew a token the filters removed"
+    exp = expected[support].double()
+    stat = chisquare(counts[support].numpy(), (exp / exp.sum() * counts.sum()).numpy())
+    assert stat.pvalue > 0.001, stat
+
+
+def test_seeded_rows_reproduce_in_any_position() -> None:
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(1, 50).repeat(4, 1)
+    draws_a, draws_b = [], []
+    a = [make_seq(params)]
+    b = [make_seq(SamplingParams(temperature=1.0)) for _ in range(3)] + [make_seq(params)]
+    for _ in range(10):
+        draws_a.append(Sampler(torch.device("cpu"), seed=1)(logits[:1], a).token_ids[0])
+        draws_b.append(Sampler(torch.device("cpu"), seed=2)(logits, b).token_ids[3])
+    assert draws_a == draws_b
+    assert len(set(draws_a)) > 1  # the seeded stream advances
+
+
+def test_logprobs_are_raw_model_logprobs() -> None:
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = sampler(logits, [make_seq(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.3))])
+    lp = out.logprobs[0]
+    ref = torch.log_softmax(logits, -1)[0]
+    assert lp is not None and lp.token_id == 1
+    assert math.isclose(lp.logprob, ref[1].item(), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [1, 2]
+    assert [v for _, v in lp.top] == pytest.approx([ref[1].item(), ref[2].item()])
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(frequency_penalty=3.0), "frequency_penalty"),
+        (dict(presence_penalty=-2.5), "presence_penalty"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    from specserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}:")
