@@ -94,23 +94,20 @@ class ModelRunner:
         """Requests with cached context: each query sees the cached prefix and earlier new tokens."""
         bs = self.block_size
         dev = self.device
-        g = len(items)
         n_new_list = [it.num_new_tokens for _, it in items]
         ctx_lens = [it.seq.num_computed_tokens + it.num_new_tokens for _, it in items]
-        q_pad, kv_pad = max(n_new_list), max(ctx_lens)
-        slots = torch.zeros(g, kv_pad, dtype=torch.long)
-        for row, (_, item) in enumerate(items):
-            n_blocks = -(-ctx_lens[row] // bs)
-            table = torch.tensor(item.seq.block_table[:n_blocks], dtype=torch.long)
-            slots[row, : ctx_lens[row]] = (table[:, None] * bs + torch.arange(bs)).flatten()[: ctx_lens[row]]
-        kv_slots = slots.to(dev)
+        n_blocks = [-(-c // bs) for c in ctx_lens]
+        nb = max(n_blocks)
+        tables = [it.seq.block_table[:k] + [0] * (nb - k) for (_, it), k in zip(items, n_blocks)]
+        kv_blocks = torch.tensor(tables, dtype=torch.long, device=dev)
         first = items[0][0]
-        single_token_run = q_pad == 1 and all(off == first + r for r, (off, _) in enumerate(items))
-        if single_token_run and min(ctx_lens) == kv_pad:
-            return AttentionGroup(kv_slots=kv_slots, q_start=first)  # every query sees every key
+        single_token_run = max(n_new_list) == 1 and all(off == first + r for r, (off, _) in enumerate(items))
+        if single_token_run and all(c == nb * bs for c in ctx_lens):
+            return AttentionGroup(kv_blocks=kv_blocks, q_start=first)  # every query sees every key
 
+        q_pad, kv_len = max(n_new_list), nb * bs
         arange_q = torch.arange(q_pad)
-        arange_kv = torch.arange(kv_pad)
+        arange_kv = torch.arange(kv_len)
         n_new = torch.tensor(n_new_list)
         ctx = torch.tensor(ctx_lens)
         q_valid = arange_q[None, :] < n_new[:, None]
@@ -121,10 +118,10 @@ class ModelRunner:
         rep = self.model.config.num_heads // self.model.config.num_kv_heads
         tiled = mask[:, None].repeat(1, 1, rep, 1).to(dev)  # query axis: head-group-major, as SDPA sees it
         if single_token_run:
-            return AttentionGroup(kv_slots=kv_slots, mask=tiled, q_start=first)
+            return AttentionGroup(kv_blocks=kv_blocks, mask=tiled, q_start=first)
         offsets = torch.tensor([off for off, _ in items])
         q_index = (offsets[:, None] + torch.minimum(arange_q[None, :], n_new[:, None] - 1)).to(dev)
         q_valid = q_valid.to(dev)
         return AttentionGroup(
-            kv_slots=kv_slots, mask=tiled, q_index=q_index, q_valid=q_valid, out_index=q_index[q_valid]
+            kv_blocks=kv_blocks, mask=tiled, q_index=q_index, q_valid=q_valid, out_index=q_index[q_valid]
         )

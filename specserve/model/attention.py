@@ -22,10 +22,11 @@ import torch.nn.functional as F
 class AttentionGroup:
     """Requests attended in one SDPA call.
 
-    kv_slots: [G, Lp] cache slot of each key, in position order (padding: slot 0)
-    mask: [G, 1, rep * Qp, Lp] True where the query may attend to the key, with the
+    kv_blocks: [G, NB] each row's block table (padding: block 0); keys are the
+        NB * block_size slots of those blocks, in position order
+    mask: [G, 1, rep * Qp, NB * block_size] True where the query may attend to the key, with the
         query axis laid out head-group-major (see `_to_kv_major`); None when every
-        query sees every key (e.g. single-token decodes of equal context length)
+        query sees every key
     q_index: [G, Qp] flat token index of each query row (padding rows repeat a valid
         index), or None when row g's single query is token `q_start + g`
     q_valid: [G, Qp] True for real query rows (unused when q_index is None)
@@ -34,7 +35,7 @@ class AttentionGroup:
         the new tokens [start, end) with a causal mask; SDPA then needs no gather.
     """
 
-    kv_slots: torch.Tensor | None = None
+    kv_blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     q_index: torch.Tensor | None = None
     q_valid: torch.Tensor | None = None
@@ -97,15 +98,17 @@ class PagedAttention:
                 s, e = group.causal_range
                 out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
                 continue
-            assert group.kv_slots is not None
-            g = group.kv_slots.shape[0]
+            assert group.kv_blocks is not None
+            g, nb = group.kv_blocks.shape
             if group.q_index is None:
                 qs = q[group.q_start : group.q_start + g, None]  # [G, 1, H, D]
             else:
                 qs = q[group.q_index]
             q_len = qs.shape[1]
-            kg = k_flat[group.kv_slots].transpose(1, 2)  # [G, KVH, Lp, D]
-            vg = v_flat[group.kv_slots].transpose(1, 2)
+            # Gather whole blocks (contiguous runs), then view them as one key axis.
+            kg = k_cache[group.kv_blocks].view(g, nb * k_cache.shape[1], self.num_kv_heads, self.head_dim)
+            vg = v_cache[group.kv_blocks].view(g, nb * v_cache.shape[1], self.num_kv_heads, self.head_dim)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [G, KVH, L, D]
             o = F.scaled_dot_product_attention(
                 _to_kv_major(qs, self.num_kv_heads), kg, vg, attn_mask=group.mask, scale=self.scale
             )
