@@ -7,11 +7,14 @@ multi-byte characters span several tokens, which exercises detokenization.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for a hub
 
 BYTE_VOCAB = 258  # <s>, </s>, then one token per byte
 EOS_ID = 1

@@ -96,3 +96,23 @@ def test_bundled_smollm2_matches_transformers(bundled_model_dir: Path) -> None:
         assert out.token_ids == expected, text
         ours = engine_logits(llm, gen[0, :-1].tolist(), chunk=16)
         assert torch.allclose(ours, ref_logits, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_gguf_conversion_matches_transformers_own_gguf_loader(bundled_model_dir: Path) -> None:
+    """An independent check of our GGUF dequantization and Q/K un-permutation: transformers reads
+    the same GGUF file with its own converter, and the logits agree."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.model.loader import find_bundled_gguf
+
+    gguf_path = find_bundled_gguf("smollm2-135m")
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    llm = LLM("smollm2-135m")
+    ids = llm.tokenizer("The quick brown fox jumps over the lazy dog because").input_ids
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    ours = engine_logits(llm, ids, chunk=len(ids))
+    assert torch.allclose(ours, ref, atol=1e-3, rtol=1e-4), (ours - ref).abs().max()

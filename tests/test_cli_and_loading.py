@@ -1,0 +1,86 @@
+"""The command line works end to end; dummy weights and the GGUF cache behave as documented."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.bench.throughput import load_spec_bench_prompts
+
+from conftest import random_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run `specserve ...`; stdout/stderr decoded as UTF-8 without newline translation."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    res = subprocess.run(
+        [sys.executable, "-m", "specserve.cli", *args],
+        input=None if stdin is None else stdin.encode(), capture_output=True, timeout=300, cwd=REPO, env=env,
+    )
+    res.stdout = res.stdout.decode("utf-8")
+    res.stderr = res.stderr.decode("utf-8")
+    return res
+
+
+def test_generate_streams_text(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama))
+    expected = llm.generate("hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].text
+    res = run_cli("generate", "hello", "--model", str(tiny_llama), "--max-tokens", "12", "--ignore-eos")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == expected + "\n"
+    assert "12 tokens" in res.stderr and "finish_reason=length" in res.stderr
+
+
+def test_chat_repl_keeps_history(tiny_llama: Path) -> None:
+    res = run_cli("chat", "--model", str(tiny_llama), "--max-tokens", "5", stdin="hi\nagain\n/reset\nhi\n/exit\n")
+    assert res.returncode == 0, res.stderr
+    replies = res.stdout.splitlines()
+    assert len(replies) >= 3
+    # After /reset the same first message gets the same (greedy) reply as at the start.
+    assert res.stdout.split("\n")[0] == res.stdout.split("\n")[2]
+
+
+def test_cli_errors_name_the_field(tiny_llama: Path) -> None:
+    res = run_cli("generate", "hi", "--model", str(tiny_llama), "--temperature", "-1")
+    assert res.returncode == 2 and "temperature:" in res.stderr
+    res = run_cli("generate", "hi", "--model", "nope-model")
+    assert res.returncode == 2 and "model:" in res.stderr
+
+
+def test_dummy_weights_from_a_model_dir(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), load_format="dummy")
+    out = llm.generate(random_prompts(1)[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
+
+
+def test_dummy_named_shape_runs() -> None:
+    llm = LLM("smollm2-135m", load_format="dummy", max_model_len=256)
+    assert llm.engine.model.config.num_layers == 30
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3
+
+
+def test_gguf_is_converted_once_and_reused(bundled_model_dir: Path) -> None:
+    from specserve.model.loader import convert_gguf, find_bundled_gguf
+
+    stamp = (bundled_model_dir / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf(find_bundled_gguf("smollm2-135m")) == bundled_model_dir
+    assert (bundled_model_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
+    assert (bundled_model_dir / "tokenizer.json").is_file()
+
+
+def test_spec_bench_prompts_load() -> None:
+    path = REPO.parent / "shared" / "data" / "spec_bench_question.jsonl"
+    if not path.is_file():
+        pytest.skip("shared data not present")
+    prompts = load_spec_bench_prompts(path, 5)
+    assert len(prompts) == 5 and all(isinstance(p, str) and p for p in prompts)
