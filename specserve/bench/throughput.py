@@ -12,12 +12,18 @@ from typing import Any, Callable
 
 import torch
 
-DEFAULT_DATASET = Path("../shared/data/spec_bench_question.jsonl")
+# ../shared/data beside the checkout (the project's layout), else relative to the working directory.
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATASETS = (
+    _REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl",
+    Path("../shared/data/spec_bench_question.jsonl"),
+)
 
 
 def load_spec_bench_prompts(path: Path | None, n: int) -> list[str]:
     """First-turn questions from Spec-Bench, in file order."""
-    path = path or DEFAULT_DATASET
+    if path is None:
+        path = next((p for p in DEFAULT_DATASETS if p.is_file()), DEFAULT_DATASETS[0])
     if not path.is_file():
         raise FileNotFoundError(f"dataset: {path} not found; pass --dataset PATH to spec_bench_question.jsonl")
     out: list[str] = []

@@ -20,7 +20,7 @@ from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from specserve.engine.sampler import Sampler
 from specserve.engine.scheduler import Scheduler
-from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.engine.sequence import Sequence
 from specserve.errors import InvalidRequestError
 from specserve.model.llama import LlamaForCausalLM
 from specserve.outputs import RequestMetrics, RequestOutput
@@ -240,7 +240,3 @@ class LLMEngine:
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_len:
             return "length"
         return None
-
-    def is_running(self, request_id: str) -> bool:
-        req = self._requests.get(request_id)
-        return req is not None and req.seq.status is SequenceStatus.RUNNING
