@@ -7,6 +7,7 @@ import sys
 from typing import Any, Sequence
 
 from specserve.model.loader import DEFAULT_MODEL, LOAD_FORMATS
+from specserve.spec.config import SPEC_METHODS, SpecConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--kv-cache-gb", type=float, default=1.0)
     g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--spec", default="none", choices=SPEC_METHODS, help="drafter (default: none)")
+    s.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per request per step (K)")
+    s.add_argument("--spec-width", type=int, default=1, help="tree width where the drafter has one")
+    s.add_argument("--draft-model", default=None, help="model for --spec draft-model (same tokenizer)")
+    s.add_argument("--draft-layers", type=int, default=None, help="layers for --spec layer-skip")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -48,6 +55,10 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=not a.no_chunked_prefill,
         enable_prefix_caching=not a.no_prefix_caching,
         kv_cache_gb=a.kv_cache_gb,
+        speculative=SpecConfig(
+            method=a.spec, num_tokens=a.spec_tokens, width=a.spec_width,
+            draft_model=a.draft_model, draft_layers=a.draft_layers,
+        ),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.engine.sequence import TokenLogprob
+from specserve.engine.sequence import SpecCounters, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,7 @@ class RequestMetrics:
     finish_time: float | None
     num_cached_prompt_tokens: int
     num_preemptions: int
+    spec: SpecCounters  # draft tokens proposed/accepted, verification steps, accepted per position
 
     @property
     def ttft(self) -> float | None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.engine.scheduler import ScheduledSeq
+from specserve.engine.model_runner import ForwardItem
 from specserve.engine.sequence import Sequence
 
 from conftest import random_prompts
@@ -34,7 +34,8 @@ def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     rows = []
     for start in range(0, len(ids), chunk):
         n = min(chunk, len(ids) - start)
-        rows.append(engine.runner.execute((ScheduledSeq(seq, n),), all_logits=True))
+        logits, _ = engine.runner.run([ForwardItem(seq.block_table, start, ids[start : start + n], logits="all")])
+        rows.append(logits)
         seq.num_computed_tokens = start + n
     engine.blocks.free(seq)
     return torch.cat(rows)

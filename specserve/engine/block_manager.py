@@ -98,6 +98,16 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s tail blocks beyond those needed for `num_tokens` slots (e.g. slots that
+        held rejected draft tokens)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish every newly completed block of `seq` (K/V computed) to the prefix cache."""
         if not self.enable_prefix_caching:

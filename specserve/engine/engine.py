@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,12 +19,19 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from specserve.engine.sampler import Sampler
-from specserve.engine.scheduler import Scheduler
-from specserve.engine.sequence import Sequence
+from specserve.engine.scheduler import ScheduledSeq, Scheduler, no_speculation
+from specserve.engine.sequence import Sequence, SpecCounters
 from specserve.errors import InvalidRequestError
 from specserve.model.llama import LlamaForCausalLM
 from specserve.outputs import RequestMetrics, RequestOutput
 from specserve.sampling_params import SamplingParams
+from specserve.spec.config import SpecConfig
+from specserve.spec.controller import FixedController
+from specserve.spec.drafter import Drafter, DraftRequest, RequestView
+from specserve.spec.factory import build_drafter
+from specserve.spec.tree import DraftTree
+from specserve.spec.verifier import Verdict
+from specserve.spec.verifier import Verifier
 from specserve.tokenizer import IncrementalDetokenizer
 
 
@@ -43,6 +50,10 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+def _view(seq: Sequence) -> RequestView:
+    return RequestView(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), seq.params)
+
+
 @dataclass(eq=False)
 class _Request:
     """A sequence plus what emitting its text needs."""
@@ -54,12 +65,20 @@ class _Request:
     emitted_text_len: int = 0
     emitted_tokens: int = 0
     holdback: int = 0  # characters kept back while a stop string may be forming
-    new_logprobs: list[Any] = field(default_factory=list)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        tokenizer: Any | None,
+        spec: SpecConfig | None = None,
+        default_draft_layers: int | None = None,
+    ) -> None:
         self.config = config
+        self.default_draft_layers = default_draft_layers
+        self.spec_config = spec or SpecConfig()
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
@@ -68,10 +87,17 @@ class LLMEngine:
             1, cache.kv_cache_bytes // kv_bytes_per_block(model, cache.block_size, config.dtype)
         )
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
         kv = allocate_kv_cache(model, num_blocks, cache.block_size, config.dtype, self.device)
         self.runner = ModelRunner(model, kv, cache.block_size, self.device)
         self.sampler = Sampler(self.device, config.seed)
+        self.verifier = Verifier(self.sampler.generator)
+        self.drafter: Drafter | None = None
+        controller = no_speculation
+        if self.spec_config.enabled:
+            self.drafter = build_drafter(self.spec_config, self)
+            controller = FixedController(self.spec_config.num_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, controller)
+        self.spec_totals = SpecCounters()
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -127,25 +153,91 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req.seq, "abort")
+            self._drafter_finish(req.seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: schedule, run the model once, sample, commit, emit."""
+        """One engine step: schedule, propose, verify (one forward), accept, commit, emit."""
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
-        sampling = [item.seq for item in batch.scheduled if item.samples]
-        logits = self.runner.execute(batch.scheduled)
-        sampled = self.sampler(logits, sampling)
-        for item in batch.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.blocks.register_full_blocks(item.seq)
-        return [
-            self._emit(self._requests[seq.request_id], tok, lp)
-            for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs)
+        drafts = self._propose(batch.scheduled)
+        logits, rows = self.runner.execute(batch.scheduled, drafts)
+        verdicts = self._accept(batch.scheduled, drafts, logits, rows)
+        outputs = []
+        for i, item in enumerate(batch.scheduled):
+            self._commit(item, drafts.get(i), verdicts.get(i), logits, rows[i])
+            if i in verdicts:
+                outputs.append(self._emit(self._requests[item.seq.request_id], verdicts[i]))
+            if not item.seq.is_finished:
+                self.blocks.register_full_blocks(item.seq)
+        return outputs
+
+    def _propose(self, batch: tuple[ScheduledSeq, ...]) -> dict[int, DraftTree]:
+        if self.drafter is None:
+            return {}
+        wanted = [(i, item) for i, item in enumerate(batch) if item.spec_budget > 0]
+        if not wanted:
+            return {}
+        requests = [
+            DraftRequest(
+                _view(item.seq), item.spec_budget, tuple(item.seq.block_table),
+                item.seq.num_computed_tokens, item.seq.generator,
+            )
+            for _, item in wanted
         ]
+        trees = self.drafter.propose(requests)
+        return {i: tree.truncated(item.spec_budget) for (i, item), tree in zip(wanted, trees) if len(tree) > 0}
+
+    def _accept(
+        self,
+        batch: tuple[ScheduledSeq, ...],
+        drafts: dict[int, DraftTree],
+        logits: torch.Tensor,
+        rows: list[tuple[int, int] | None],
+    ) -> dict[int, Verdict]:
+        """Per sampling item: which draft nodes the target accepts and which tokens it emits."""
+        verdicts: dict[int, Verdict] = {}
+        plain = [i for i, r in enumerate(rows) if r is not None and i not in drafts]
+        if plain:
+            seqs = [batch[i].seq for i in plain]
+            sampled = self.sampler(logits[[rows[i][0] for i in plain]], seqs)  # type: ignore[index]
+            for i, tok, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+                verdicts[i] = Verdict([], [tok], [lp])
+        for i, tree in drafts.items():
+            start, count = rows[i]  # type: ignore[misc]
+            verdicts[i] = self.verifier.verify(batch[i].seq, tree, logits[start : start + count])
+        return verdicts
+
+    def _commit(
+        self,
+        item: ScheduledSeq,
+        tree: DraftTree | None,
+        verdict: Verdict | None,
+        logits: torch.Tensor,
+        rows: tuple[int, int] | None,
+    ) -> None:
+        """Make the computed (and accepted) tokens' K/V part of the sequence; release rejected slots."""
+        seq = item.seq
+        start = seq.num_computed_tokens
+        if tree is None or verdict is None:
+            seq.num_computed_tokens += item.num_new_tokens
+        else:
+            depths_slots = [(start + 1 + node, start + 1 + d) for d, node in enumerate(verdict.accepted)]
+            self.runner.copy_slots(seq.block_table, [(s, d) for s, d in depths_slots if s != d])
+            seq.num_computed_tokens += 1 + len(verdict.accepted)
+            seq.spec.record(len(tree), len(verdict.accepted))
+            self.spec_totals.record(len(tree), len(verdict.accepted))
+            if self.drafter is not None and rows is not None:
+                top = None
+                if self.drafter.target_topk > 0:
+                    r0, n = rows
+                    top = logits[r0 : r0 + n].topk(self.drafter.target_topk, dim=-1).indices.cpu()
+                self.drafter.observe(_view(seq), tree, top)
+        if item.spec_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
+            self.blocks.trim(seq, seq.num_tokens + (len(verdict.tokens) if verdict else 0))
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -181,21 +273,27 @@ class LLMEngine:
         stops = frozenset(params.stop_token_ids)
         return stops if params.ignore_eos else stops | self.eos_token_ids
 
-    def _emit(self, req: _Request, token: int, logprob: Any) -> RequestOutput:
+    def _emit(self, req: _Request, verdict: Verdict) -> RequestOutput:
+        """Append the step's tokens one by one, stopping at the first stop condition."""
         seq = req.seq
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.output_token_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        reason = self._check_stop(req, token)
+        reason = None
+        for token, logprob in zip(verdict.tokens, verdict.logprobs):
+            seq.output_token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                break
         if reason is not None:
             if req.detok is not None and reason == "length":
                 req.text += req.detok.flush()
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
             del self._requests[seq.request_id]
+            self._drafter_finish(seq)
         visible = len(req.text) if seq.is_finished else max(req.emitted_text_len, len(req.text) - req.holdback)
         new_text = req.text[req.emitted_text_len : visible]
         req.emitted_text_len = visible
@@ -218,8 +316,13 @@ class LLMEngine:
                 finish_time=seq.finish_time,
                 num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
                 num_preemptions=seq.num_preemptions,
+                spec=replace(seq.spec, accepted_per_position=list(seq.spec.accepted_per_position)),
             ),
         )
+
+    def _drafter_finish(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.finish(seq.request_id, _view(seq))
 
     def _check_stop(self, req: _Request, token: int) -> str | None:
         """Append the token's text and say why the request should finish, if it should."""

@@ -86,13 +86,17 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def processed_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits after penalties, temperature and filters: what tokens are drawn from (greedy rows unscaled)."""
-        params = [s.params for s in seqs]
+    @staticmethod
+    def processed_logits(
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+    ) -> torch.Tensor:
+        """Logits after penalties (given each row's prompt and output so far), temperature and
+        filters: what tokens are drawn from. Greedy rows are left unscaled."""
         if any(p.needs_penalties for p in params):
-            logits = apply_penalties(
-                logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], params
-            )
+            logits = apply_penalties(logits, prompts, outputs, params)
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
         logits = logits / temps[:, None]
         if any(p.needs_filters and not p.greedy for p in params):
@@ -105,7 +109,9 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         )
-        processed = self.processed_logits(logits, seqs)
+        processed = self.processed_logits(
+            logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
+        )
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         if bool(greedy.all()):
             tokens = processed.argmax(dim=-1)
@@ -131,16 +137,20 @@ class Sampler:
     ) -> list[TokenLogprob | None]:
         if raw is None:
             return [None] * len(seqs)
-        k = max(s.params.logprobs or 0 for s in seqs)
-        top_vals, top_ids = (raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long()))
-        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        out: list[TokenLogprob | None] = []
-        for row, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            top = tuple(zip(top_ids_l[row][:n], top_vals_l[row][:n]))
-            out.append(TokenLogprob(tokens[row], chosen[row], top))
-        return out
+        return token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+
+
+def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int | None]) -> list[TokenLogprob | None]:
+    """For each row of raw log-probabilities: the chosen token's logprob and the top-n alternatives
+    (None for rows that did not ask)."""
+    k = max((n or 0) for n in top_n)
+    top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
+    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    out: list[TokenLogprob | None] = []
+    for row, n in enumerate(top_n):
+        if n is None:
+            out.append(None)
+        else:
+            out.append(TokenLogprob(tokens[row], chosen[row], tuple(zip(top_ids_l[row][:n], top_vals_l[row][:n]))))
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from specserve.config import SchedulerConfig
 from specserve.engine.block_manager import BlockManager
@@ -24,6 +25,7 @@ from specserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    spec_budget: int = 0  # draft nodes reserved (token budget and KV slots) for this decode
 
     @property
     def samples(self) -> bool:
@@ -38,13 +40,27 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.spec_budget for s in self.scheduled)
+
+
+def no_speculation(seq: Sequence) -> int:
+    return 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    """`spec_budget(seq)` says how many draft nodes a decoding request may get this step (the
+    controller's grant); the scheduler trims it to the token budget and to free KV blocks, and
+    never preempts anyone to make room for speculation."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        spec_budget: Callable[[Sequence], int] = no_speculation,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
+        self.spec_budget = spec_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -66,6 +82,11 @@ class Scheduler:
             n = self._chunk(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 break
+            spec = 0
+            if n == 1 and seq.output_token_ids:  # decoding: room for a draft tree?
+                spec = min(self.spec_budget(seq), budget - 1)
+                if spec > 0 and not self.blocks.allocate(seq, seq.num_computed_tokens + 1 + spec):
+                    spec = 0
             while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -74,8 +95,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # preempted itself: nothing after it is running either
-            scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            scheduled.append(ScheduledSeq(seq, n, spec))
+            budget -= n + spec
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:

@@ -14,6 +14,8 @@ from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from specserve.model.loader import DEFAULT_MODEL, load_model_files
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
+from specserve.spec.config import SpecConfig
+from specserve.spec.factory import DEFAULT_DRAFT_LAYERS
 from specserve.tokenizer import apply_chat_template, load_tokenizer
 
 
@@ -47,6 +49,16 @@ def build_model(
     return net, tokenizer, limit
 
 
+def _spec_config(speculative: SpecConfig | dict[str, Any] | str | None) -> SpecConfig:
+    if speculative is None:
+        return SpecConfig()
+    if isinstance(speculative, SpecConfig):
+        return speculative
+    if isinstance(speculative, str):
+        return SpecConfig(method=speculative)
+    return SpecConfig(**speculative)
+
+
 @torch.no_grad()
 def _init_random(net: LlamaForCausalLM, seed: int) -> None:
     """Dummy weights: N(0, 0.02) matrices, unit norms, zero biases (for performance work)."""
@@ -61,7 +73,8 @@ def _init_random(net: LlamaForCausalLM, seed: int) -> None:
 
 
 class LLM:
-    """Generate text with a Llama-family model.
+    """Generate text with a Llama-family model, optionally with lossless speculative decoding
+    (`speculative="ngram"`, or a SpecConfig / dict such as {"method": "layer-skip", "num_tokens": 4}).
 
     >>> llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
     >>> out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
@@ -84,8 +97,10 @@ class LLM:
         kv_cache_gb: float = 1.0,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        speculative: SpecConfig | dict[str, Any] | str | None = None,
     ) -> None:
         torch_dtype = parse_dtype(dtype)
+        spec = _spec_config(speculative)
         net, tokenizer, limit = build_model(model, load_format, device, torch_dtype, max_model_len, seed)
         config = EngineConfig(
             model=net.config,
@@ -105,7 +120,7 @@ class LLM:
             dtype=torch_dtype,
             seed=seed,
         )
-        self.engine = LLMEngine(config, net, tokenizer)
+        self.engine = LLMEngine(config, net, tokenizer, spec, default_draft_layers=DEFAULT_DRAFT_LAYERS.get(model))
 
     @property
     def tokenizer(self) -> Any:

@@ -201,11 +201,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: KVCache,
         meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] for every new token."""
+        """Final-normed hidden states [T, hidden] for every new token. With `num_layers`, only the
+        first that many layers run (self-speculation by layer skipping) and write their K/V."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv in zip(layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
 

@@ -1,0 +1,68 @@
+"""The drafter contract: propose a token tree per decoding request within a budget."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A read-only view of one request, all a drafter may look at."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request to draft for. Drafters that run the target itself (layer skipping) also read
+    where its K/V lives: they may write draft K/V only into slots from `num_computed` on, which
+    verification overwrites."""
+
+    view: RequestView
+    budget: int  # at most this many nodes; 0 means propose nothing
+    block_table: tuple[int, ...] = ()  # the target's blocks for this request, covering num_computed + 1 + budget slots
+    num_computed: int = 0  # target tokens with K/V in the cache (the root token is the next one)
+    generator: torch.Generator | None = None  # the request's own RNG when it has a seed
+
+
+class Drafter(ABC):
+    """Proposes draft trees. One instance serves every request of an engine.
+
+    Contract:
+    - `propose` returns one tree per request, in order, each with at most `budget`
+      nodes (budget 0 -> the empty tree). It must not change the requests.
+    - Trees may be wrong: verification keeps only what the target agrees with.
+    - `observe` is called after each verification with what the target computed
+      (for drafters that learn from it); `finish` when a request leaves the engine,
+      finished or aborted, so per-request state can be dropped.
+    """
+
+    #: how many of the target's top token ids per verified node `observe` should get (0 = none)
+    target_topk: int = 0
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        ...
+
+    def observe(self, view: RequestView, tree: DraftTree, target_top_ids: torch.Tensor | None) -> None:
+        """After verification of `tree` for `view` (the view before the accepted tokens were added).
+
+        target_top_ids: [len(tree) + 1, target_topk] the target's most likely next tokens at
+        the root (row 0) and at each node (row i + 1), or None when target_topk is 0.
+        """
+
+    def finish(self, request_id: str, view: RequestView) -> None:
+        """The request left the engine (finished or aborted); `view` is its final state."""

@@ -1,0 +1,1 @@
+"""Drafters: the proposal strategies for speculative decoding."""

@@ -1,0 +1,69 @@
+"""Build the drafter a SpecConfig names, wired to the engine's model, cache and tokenizer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.spec.config import SpecConfig
+from specserve.spec.drafter import Drafter
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import LLMEngine
+
+# Layers the layer-skip drafter uses when none is given, chosen by measurement (BENCHMARKS.md).
+DEFAULT_DRAFT_LAYERS = {"smollm2-135m": 12}
+
+
+def default_draft_layers(num_layers: int) -> int:
+    return max(1, num_layers // 2)
+
+
+def build_drafter(spec: SpecConfig, engine: "LLMEngine") -> Drafter:
+    gen = torch.Generator(device=engine.device)
+    gen.manual_seed(engine.config.seed + 1)
+    if spec.method == "ngram":
+        from specserve.spec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(max_width=spec.width)
+    if spec.method == "suffix":
+        from specserve.spec.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter()
+    if spec.method == "recycling":
+        from specserve.spec.drafters.recycling import RecyclingDrafter
+
+        return RecyclingDrafter(vocab_size=engine.model.config.vocab_size)
+    if spec.method == "layer-skip":
+        from specserve.spec.drafters.model_based import LayerSkipDrafter
+
+        total = engine.model.config.num_layers
+        layers = spec.draft_layers or engine.default_draft_layers or default_draft_layers(total)
+        if not 1 <= layers < total:
+            raise ValueError(f"draft_layers: must be between 1 and {total - 1} for this model, got {layers}")
+        return LayerSkipDrafter(engine.runner, gen, layers)
+    if spec.method == "draft-model":
+        return _draft_model(spec, engine, gen)
+    raise ValueError(f"spec: no drafter for method {spec.method!r}")
+
+
+def _draft_model(spec: SpecConfig, engine: "LLMEngine", gen: torch.Generator) -> Drafter:
+    from specserve.engine.block_manager import BlockManager
+    from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+    from specserve.entrypoints.llm import build_model
+    from specserve.spec.drafters.model_based import DraftModelDrafter, check_same_tokenizer
+
+    assert spec.draft_model is not None
+    cfg = engine.config
+    model, tokenizer, _ = build_model(spec.draft_model, "auto", cfg.device, cfg.dtype, None, cfg.seed)
+    check_same_tokenizer(engine.tokenizer, tokenizer)
+    if model.config.vocab_size != engine.model.config.vocab_size:
+        raise ValueError(
+            f"draft_model: vocabulary size {model.config.vocab_size} differs from the target's "
+            f"{engine.model.config.vocab_size}"
+        )
+    bs = cfg.cache.block_size
+    num_blocks = max(16, cfg.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, cfg.dtype))
+    runner = ModelRunner(model, allocate_kv_cache(model, num_blocks, bs, cfg.dtype, engine.device), bs, engine.device)
+    return DraftModelDrafter(runner, BlockManager(num_blocks, bs, enable_prefix_caching=False), gen)

@@ -1,0 +1,120 @@
+"""Accepting draft tokens without changing the output distribution.
+
+Greedy: follow the target's argmax from the root; a child is accepted when its
+token is that argmax; the target's argmax after the last accepted node is the
+bonus token. Output is token for token what plain greedy decoding gives.
+
+Sampling: recursive rejection sampling over the tree (SpecInfer's multi-step
+speculative sampling, SpecTr/RSD for several candidates). At a node with target
+distribution p, its children are tried in order; child c (token x, drawn from
+proposal q_c) is accepted with probability min(1, p(x) / q_c(x)). On rejection
+p becomes norm(max(p - q_c, 0)) and the next child is tried. When no child is
+accepted, the bonus token is drawn from the current p. A deterministic proposal
+(no probs) is the point mass q_c = 1[x]: accept with probability p(x), else
+remove x from p. With independent proposals this samples exactly from the
+target, whatever the drafts are (Leviathan et al. 2023; Miao et al. 2024).
+
+The target distribution at each node is the fully processed one (penalties on
+the output including the path to that node, temperature, top-k, top-p, min-p),
+the same processing plain decoding uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sampler import Sampler, token_logprobs
+from specserve.engine.sequence import Sequence, TokenLogprob
+from specserve.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: list[int]  # accepted node indices, root to leaf (node at depth d is accepted[d - 1])
+    tokens: list[int]  # emitted tokens: the accepted nodes' tokens, then the target's own token
+    logprobs: list[TokenLogprob | None]
+
+
+class Verifier:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for requests without a seed of their own
+
+    def verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> Verdict:
+        """`logits` [len(tree) + 1, vocab]: the target at the root (row 0) and after each node (row i + 1)."""
+        params = seq.params
+        n = len(tree)
+        paths = self._paths(tree)
+        outputs = [seq.output_token_ids] + [seq.output_token_ids + path for path in paths]
+        processed = Sampler.processed_logits(
+            logits, [params] * (n + 1), [seq.prompt_token_ids] * (n + 1), outputs
+        )
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            children.setdefault(p, []).append(i)
+        if params.greedy:
+            accepted, bonus = self._greedy(tree, children, processed.argmax(dim=-1).tolist())
+        else:
+            gen = seq.generator if seq.generator is not None else self.generator
+            accepted, bonus = self._sample(tree, children, processed.softmax(dim=-1), gen)
+        tokens = [tree.tokens[a] for a in accepted] + [bonus]
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if params.logprobs is not None:
+            rows = [0] + [a + 1 for a in accepted]  # the row each emitted token was drawn at
+            raw = torch.log_softmax(logits[rows], dim=-1)
+            logprobs = token_logprobs(raw, tokens, [params.logprobs] * len(tokens))
+        return Verdict(accepted, tokens, logprobs)
+
+    @staticmethod
+    def _paths(tree: DraftTree) -> list[list[int]]:
+        """Tokens from the root to each node, inclusive."""
+        paths: list[list[int]] = []
+        for i, p in enumerate(tree.parents):
+            paths.append((paths[p] if p >= 0 else []) + [tree.tokens[i]])
+        return paths
+
+    @staticmethod
+    def _greedy(tree: DraftTree, children: dict[int, list[int]], argmax: list[int]) -> tuple[list[int], int]:
+        accepted: list[int] = []
+        node = -1
+        while True:
+            target = argmax[node + 1]
+            match = next((c for c in children.get(node, []) if tree.tokens[c] == target), None)
+            if match is None:
+                return accepted, target
+            accepted.append(match)
+            node = match
+
+    @staticmethod
+    def _sample(
+        tree: DraftTree, children: dict[int, list[int]], probs: torch.Tensor, gen: torch.Generator
+    ) -> tuple[list[int], int]:
+        accepted: list[int] = []
+        node = -1
+        while True:
+            p = probs[node + 1]
+            chosen = None
+            for c in children.get(node, []):
+                x = tree.tokens[c]
+                q = None if tree.probs is None else tree.probs[c].to(p.device, p.dtype)
+                ratio = p[x] if q is None else p[x] / q[x].clamp_min(1e-30)
+                u = torch.rand((), generator=gen, device=gen.device).to(p.device)
+                if bool(u < ratio):
+                    chosen = c
+                    break
+                if q is None:
+                    p = p.clone()
+                    p[x] = 0.0
+                else:
+                    p = (p - q).clamp_min(0.0)
+                total = p.sum()
+                if not bool(total > 0):  # p == q up to rounding: nothing left to correct
+                    p = probs[node + 1]
+                    break
+                p = p / total
+            if chosen is None:
+                bonus = int(torch.multinomial(p.to(gen.device), 1, generator=gen).item())
+                return accepted, bonus
+            accepted.append(chosen)
+            node = chosen
