@@ -34,7 +34,8 @@ def build_drafter(spec: SpecConfig, engine: "LLMEngine") -> Drafter:
     if spec.method == "recycling":
         from specserve.spec.drafters.recycling import RecyclingDrafter
 
-        return RecyclingDrafter(vocab_size=engine.model.config.vocab_size)
+        vocab = engine.model.config.vocab_size
+        return RecyclingDrafter(vocab_size=vocab, topk=min(8, vocab))
     if spec.method == "layer-skip":
         from specserve.spec.drafters.model_based import LayerSkipDrafter
 

@@ -1,0 +1,264 @@
+"""Speculative decoding is lossless: greedy outputs are token for token the plain outputs, sampled
+outputs follow the target's exact distribution, stops inside accepted runs cut where plain decoding
+would, and no KV block leaks."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve import LLM, SamplingParams
+from specserve.spec.verifier import Verifier
+
+from conftest import random_prompts
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_factory) -> Path:
+    """A different (worse) model with the same tokenizer: its drafts are mostly rejected."""
+    return tiny_model_factory("draft", seed=1, num_hidden_layers=1)
+
+
+def spec_configs(target: Path, draft: Path) -> dict[str, dict]:
+    return {
+        "ngram": dict(method="ngram", num_tokens=4),
+        "ngram-tree": dict(method="ngram", num_tokens=6, width=3),
+        "suffix": dict(method="suffix", num_tokens=6),
+        "recycling": dict(method="recycling", num_tokens=6),
+        "draft-model": dict(method="draft-model", num_tokens=4, draft_model=str(draft)),
+        "draft-model-self": dict(method="draft-model", num_tokens=4, draft_model=str(target)),  # all accepted
+        "layer-skip": dict(method="layer-skip", num_tokens=3, draft_layers=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_llama))
+    return [o.token_ids for o in llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", list(spec_configs(Path(), Path())))
+@pytest.mark.parametrize(
+    "engine_opts",
+    [dict(max_num_batched_tokens=24), dict(num_kv_blocks=24, block_size=4)],
+    ids=["chunked-prefill", "preemption"],
+)
+def test_greedy_speculation_matches_plain_decoding(
+    tiny_llama: Path, draft_dir: Path, plain_outputs: list[list[int]], name: str, engine_opts: dict
+) -> None:
+    spec = spec_configs(tiny_llama, draft_dir)[name]
+    llm = LLM(str(tiny_llama), speculative=spec, **engine_opts)
+    outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_outputs
+    engine = llm.engine
+    assert engine.spec_totals.steps > 0 and engine.spec_totals.proposed > 0
+    if "num_kv_blocks" in engine_opts:
+        assert engine.stats().num_preemptions > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    if name == "draft-model-self":
+        assert engine.spec_totals.accepted == engine.spec_totals.proposed  # the target agrees with itself
+    per_request = [o.metrics.spec for o in outs]
+    assert sum(s.proposed for s in per_request) == engine.spec_totals.proposed
+    assert sum(s.accepted for s in per_request) == engine.spec_totals.accepted
+
+
+# ---------------------------------------------------------------------------
+# Lossless sampling, checked exactly on a 4-token vocabulary
+
+VOCAB = 4
+PROMPT = [0, 1, 2, 3, 1]
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_model_factory) -> tuple[Path, Path]:
+    opts = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, initializer_range=0.15)
+    return (tiny_model_factory("v4-target", **opts, seed=3),
+            tiny_model_factory("v4-draft", **opts, seed=4, num_hidden_layers=1))
+
+
+def exact_distribution(target: Path, params: SamplingParams, n_tokens: int = 3) -> dict[tuple[int, ...], float]:
+    """P(first n tokens) by enumerating every continuation with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(n_tokens):
+        nxt: dict[tuple[int, ...], float] = {}
+        for prefix, p in probs.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1] / params.temperature
+            dist = logits.softmax(-1)
+            if params.top_p < 1:
+                order = dist.argsort(descending=True)
+                keep = (dist[order].cumsum(0) - dist[order]) < params.top_p
+                mask = torch.zeros_like(dist, dtype=torch.bool)
+                mask[order[keep]] = True
+                dist = torch.where(mask, dist, 0.0)
+                dist = dist / dist.sum()
+            for t in range(VOCAB):
+                nxt[prefix + (t,)] = p * dist[t].item()
+        probs = nxt
+    return probs
+
+
+def sample_counts(target: Path, spec: dict, params: SamplingParams, n: int) -> tuple[dict[tuple[int, ...], int], LLM]:
+    llm = LLM(str(target), speculative=spec, max_num_seqs=256, seed=7)
+    outs = llm.generate([PROMPT] * n, params, use_tqdm=False)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids[:3])] = counts.get(tuple(o.token_ids[:3]), 0) + 1
+    return counts, llm
+
+
+def chi2_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float], n: int) -> float:
+    keys = sorted(exact, key=lambda k: -exact[k])
+    obs, exp = [], []
+    rest_o, rest_e = 0.0, 0.0
+    for k in keys:  # bins expected to hold fewer than 5 draws are pooled
+        if exact[k] * n >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(exact[k] * n)
+        else:
+            rest_o += counts.get(k, 0)
+            rest_e += exact[k] * n
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    total = sum(exp)
+    return float(chisquare(obs, [e * sum(obs) / total for e in exp]).pvalue)
+
+
+SAMPLING_CASES = {
+    "chain-draft-model-t1": ("draft-model", 3, 1, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)),
+    "chain-draft-model-top-p": ("draft-model", 3, 1,
+                                SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, ignore_eos=True)),
+    "chain-layer-skip-t0.8": ("layer-skip", 2, 1, SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True)),
+    "tree-ngram-t1": ("ngram", 4, 3, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)),
+    "tree-recycling-top-p": ("recycling", 4, 1,
+                             SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, ignore_eos=True)),
+}
+
+
+def _spec(method: str, k: int, width: int, draft: Path) -> dict:
+    spec: dict = dict(method=method, num_tokens=k, width=width)
+    if method == "draft-model":
+        spec["draft_model"] = str(draft)
+    if method == "layer-skip":
+        spec["draft_layers"] = 1
+    return spec
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_speculative_sampling_matches_exact_distribution(small_vocab: tuple[Path, Path], case: str) -> None:
+    target, draft = small_vocab
+    method, k, width, params = SAMPLING_CASES[case]
+    n = 3000
+    counts, llm = sample_counts(target, _spec(method, k, width, draft), params, n)
+    totals = llm.engine.spec_totals
+    assert totals.proposed > 0 and 0 < totals.accepted < totals.proposed, "needs both accepts and rejections"
+    assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
+
+
+def test_the_distribution_test_catches_a_broken_acceptance_rule(
+    small_vocab: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Always accepting the draft (a lossy rule) must fail the same check."""
+    target, draft = small_vocab
+
+    def always_accept(tree, children, probs, gen):
+        accepted, node = [], -1
+        while children.get(node):
+            node = children[node][0]
+            accepted.append(node)
+        return accepted, int(torch.multinomial(probs[node + 1], 1, generator=gen).item())
+
+    monkeypatch.setattr(Verifier, "_sample", staticmethod(always_accept))
+    params = SAMPLING_CASES["chain-draft-model-t1"][3]
+    n = 3000
+    counts, _ = sample_counts(target, _spec("draft-model", 3, 1, draft), params, n)
+    assert chi2_pvalue(counts, exact_distribution(target, params), n) < 0.001
+
+
+# ---------------------------------------------------------------------------
+# Edge cases
+
+
+@pytest.fixture(scope="module")
+def self_drafting(tiny_llama: Path) -> LLM:
+    """The target drafting for itself: every draft is accepted, so runs cross every stop."""
+    return LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=6, draft_model=str(tiny_llama)))
+
+
+def test_accepted_run_is_cut_at_max_tokens(tiny_llama: Path, self_drafting: LLM) -> None:
+    prompts = random_prompts(4, seed=22)
+    for max_tokens in (1, 2, 5, 9):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        plain = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+        spec = self_drafting.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        assert all(len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in spec)
+
+
+def test_accepted_run_is_cut_at_stop_token(tiny_llama: Path, self_drafting: LLM) -> None:
+    prompt = random_prompts(1, seed=23)[0]
+    free = self_drafting.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    stop = free.token_ids[7]
+    out = self_drafting.generate(prompt, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop],
+                                                        ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == free.token_ids[: free.token_ids.index(stop) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_request_near_the_context_limit(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), max_model_len=64, speculative=dict(method="draft-model", num_tokens=6,
+                                                                 draft_model=str(tiny_llama)))
+    plain = LLM(str(tiny_llama), max_model_len=64)
+    prompt = random_prompts(1, seed=24, low=60, high=61)[0]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.token_ids == plain.generate(prompt, params, use_tqdm=False)[0].token_ids
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_budget_zero_is_plain_decoding(tiny_llama: Path, plain_outputs: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama), speculative=dict(method="ngram", num_tokens=0))
+    assert llm.engine.drafter is None
+    outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_outputs
+
+
+def test_mixed_batch_some_speculate_some_do_not(tiny_llama: Path) -> None:
+    """Requests with one token left (no room to draft) and greedy/sampled requests share steps with
+    speculating ones; each gets exactly its plain output."""
+    prompts = random_prompts(6, seed=25)
+    params = [SamplingParams(max_tokens=1 if i % 3 == 0 else 20, temperature=0, ignore_eos=True) for i in range(6)]
+    plain = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama)))
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.metrics.spec.steps == 0 for o, p in zip(spec, params) if p.max_tokens == 1)
+
+
+def test_no_blocks_leak_after_aborts_with_speculation(tiny_llama: Path, draft_dir: Path) -> None:
+    llm = LLM(str(tiny_llama), num_kv_blocks=30, block_size=4,
+              speculative=dict(method="draft-model", num_tokens=4, draft_model=str(draft_dir)))
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True))
+           for p in random_prompts(8, seed=26)]
+    for step in itertools.count():
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        if step == 3:
+            engine.abort_request(ids[1])
+            engine.abort_request(ids[6])
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    drafter = engine.drafter
+    assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks  # the draft model's own cache too
