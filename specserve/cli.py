@@ -150,6 +150,13 @@ def cmd_bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_spec(a: argparse.Namespace) -> int:
+    from specserve.bench.spec import run_spec_bench
+
+    run_spec_bench(a)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     tp.add_argument("--json", default=None, help="write rows to this JSON file")
     tp.set_defaults(func=cmd_bench_throughput)
+
+    sp = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench, batch 1, every drafter")
+    _add_engine_args(sp)
+    sp.add_argument("--methods", default=None, help="comma-separated subset (default: all; `none` always runs)")
+    sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
+    sp.add_argument("--max-tokens", type=int, default=256)
+    sp.add_argument("--dataset", default=None, help="Spec-Bench jsonl (default: ../shared/data/spec_bench_question.jsonl)")
+    sp.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    sp.add_argument("--json", default=None, help="write rows to this JSON file")
+    sp.set_defaults(func=cmd_bench_spec)
     return parser
 
 

@@ -1,0 +1,187 @@
+"""`specserve bench spec`: speculative decoding on Spec-Bench, batch 1, every drafter side by side.
+
+Greedy, chat template, first turn of N questions per category. For each method:
+output tokens/s, speedup against `none` measured in the same run, mean accepted
+length (tokens per verification step), per category and overall; plus transformers'
+generate() plain and with prompt lookup, on the same weights. Also measures the
+cost of verifying k draft tokens against a plain decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.bench.throughput import DEFAULT_DATASETS
+
+
+def load_by_category(path: Path | None, per_category: int) -> list[tuple[str, str]]:
+    """(category, first-turn question) pairs, the first `per_category` of each category in file order."""
+    if path is None:
+        path = next((p for p in DEFAULT_DATASETS if p.is_file()), DEFAULT_DATASETS[0])
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset: {path} not found; pass --dataset PATH to spec_bench_question.jsonl")
+    taken: dict[str, int] = defaultdict(int)
+    out: list[tuple[str, str]] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        cat = row["category"]
+        if taken[cat] < per_category:
+            taken[cat] += 1
+            out.append((cat, row["turns"][0]))
+    return out
+
+
+def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
+    k = a.spec_tokens
+    all_methods: dict[str, dict[str, Any] | None] = {
+        "none": None,
+        "ngram": dict(method="ngram", num_tokens=k, width=a.spec_width),
+        "suffix": dict(method="suffix", num_tokens=k),
+        "recycling": dict(method="recycling", num_tokens=k),
+        "layer-skip": dict(method="layer-skip", num_tokens=k, draft_layers=a.draft_layers),
+    }
+    if a.draft_model:
+        all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model)
+    names = a.methods.split(",") if a.methods else list(all_methods)
+    if "none" not in names:
+        names = ["none"] + names
+    return [(n, all_methods[n]) for n in names if n in all_methods]
+
+
+def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
+    from specserve import LLM, SamplingParams
+    from specserve.cli import _engine_kwargs
+    from specserve.tokenizer import apply_chat_template
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    questions = load_by_category(Path(a.dataset) if a.dataset else None, a.per_category)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    base_kwargs = _engine_kwargs(a)
+    base_kwargs.pop("speculative", None)
+    rows: list[dict[str, Any]] = []
+    per_method: dict[str, dict[str, tuple[int, float, int, int]]] = {}
+    prompts: list[list[int]] | None = None
+    verify_cost: list[dict[str, float]] = []
+    for name, spec in _methods(a):
+        llm = LLM(a.model, speculative=spec, **base_kwargs)
+        if prompts is None:
+            prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+            verify_cost = measure_verify_cost(llm, prompts[0])
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
+        stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+        for (cat, _), prompt in zip(questions, prompts):
+            t = time.perf_counter()
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            dt = time.perf_counter() - t
+            for key in (cat, "overall"):
+                s = stats[key]
+                s[0] += len(out.token_ids)
+                s[1] += dt
+                s[2] += out.metrics.spec.accepted
+                s[3] += out.metrics.spec.steps
+        per_method[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
+        o = stats["overall"]
+        print(f"{name:<22} {o[0] / o[1]:7.1f} tok/s  accepted/step {_mal(o):.2f}", file=sys.stderr)
+        del llm
+
+    if not a.no_transformers:
+        assert prompts is not None
+        per_method.update(_transformers(a, questions, prompts))
+
+    none = per_method["none"]
+    for name, stats in per_method.items():
+        for cat, (tokens, secs, acc, steps) in stats.items():
+            rate = tokens / secs
+            base = none[cat][0] / none[cat][1]
+            rows.append({
+                "method": name, "category": cat, "tokens_per_s": round(rate, 2),
+                "speedup_vs_none": round(rate / base, 3),
+                "mean_accepted_length": round(_mal((tokens, secs, acc, steps)), 3),
+            })
+    _print_table(rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "rows": rows, "verify_cost": verify_cost, "model": a.model, "max_tokens": a.max_tokens,
+            "per_category": a.per_category, "spec_tokens": a.spec_tokens, "threads": torch.get_num_threads(),
+        }, indent=2))
+    return rows
+
+
+def _mal(s: tuple[Any, ...] | list[Any]) -> float:
+    """Mean accepted length: tokens per verification step (1.0 for plain decoding)."""
+    acc, steps = s[2], s[3]
+    return (acc + steps) / steps if steps else 1.0
+
+
+def measure_verify_cost(llm: Any, prompt: list[int], max_k: int = 16, repeats: int = 7) -> list[dict[str, float]]:
+    """Time of one forward verifying a chain of k draft tokens for one request, relative to k = 0."""
+    from specserve.engine.model_runner import ForwardItem
+    from specserve.spec.tree import DraftTree
+
+    engine = llm.engine
+    rid = engine.add_request(prompt, __import__("specserve").SamplingParams(max_tokens=2, temperature=0))
+    engine.step()  # prefill: the request now has K/V for its prompt
+    seq = next(s for s in engine.scheduler.running if s.request_id == rid)
+    assert engine.blocks.allocate(seq, seq.num_tokens + max_k)
+    out: list[dict[str, float]] = []
+    base = None
+    for k in range(max_k + 1):
+        tree = DraftTree.chain([seq.output_token_ids[-1]] * k)
+        item = ForwardItem(seq.block_table, seq.num_computed_tokens, [seq.output_token_ids[-1]] + list(tree.tokens),
+                           mask=tree.ancestor_mask() if k else None, logits="all")
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            engine.runner.run([item])
+            times.append(time.perf_counter() - t)
+        ms = statistics.median(times) * 1e3
+        base = base or ms
+        out.append({"k": k, "ms": round(ms, 2), "relative": round(ms / base, 3)})
+    engine.abort_request(rid)
+    return out
+
+
+def _transformers(
+    a: argparse.Namespace, questions: list[tuple[str, str]], prompts: list[list[int]]
+) -> dict[str, dict[str, tuple[int, float, int, int]]]:
+    from transformers import AutoModelForCausalLM
+
+    from specserve.config import parse_dtype
+    from specserve.model.loader import model_dir_for
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir_for(a.model)), dtype=parse_dtype(a.dtype)).eval()
+    out: dict[str, dict[str, tuple[int, float, int, int]]] = {}
+    for name, extra in (("transformers", {}), ("transformers-prompt-lookup", {"prompt_lookup_num_tokens": 10})):
+        stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+        for (cat, _), prompt in zip(questions, prompts):
+            ids = torch.tensor([prompt])
+            t = time.perf_counter()
+            with torch.inference_mode():
+                gen = hf.generate(ids, max_new_tokens=a.max_tokens, do_sample=False, **extra)
+            dt = time.perf_counter() - t
+            for key in (cat, "overall"):
+                stats[key][0] += gen.shape[1] - ids.shape[1]
+                stats[key][1] += dt
+        out[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
+        o = stats["overall"]
+        print(f"{name:<22} {o[0] / o[1]:7.1f} tok/s", file=sys.stderr)
+    return out
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'method':<28}{'tok/s':>9}{'vs none':>9}{'acc. len':>10}   (overall)")
+    for r in rows:
+        if r["category"] == "overall":
+            print(f"{r['method']:<28}{r['tokens_per_s']:>9.1f}{r['speedup_vs_none']:>8.2f}x{r['mean_accepted_length']:>10.2f}")
