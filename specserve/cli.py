@@ -24,11 +24,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=1.0)
     g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec", default="none", choices=SPEC_METHODS, help="drafter (default: none)")
+    s.add_argument("--spec", default="none",
+                   help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' (default: none)")
     s.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per request per step (K)")
     s.add_argument("--spec-width", type=int, default=1, help="tree width where the drafter has one")
     s.add_argument("--draft-model", default=None, help="model for --spec draft-model (same tokenizer)")
     s.add_argument("--draft-layers", type=int, default=None, help="layers for --spec layer-skip")
+    s.add_argument("--draft-stop-below", type=float, default=0.0,
+                   help="model drafters stop a chain when their pick's probability is below this")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -57,7 +60,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         kv_cache_gb=a.kv_cache_gb,
         speculative=SpecConfig(
             method=a.spec, num_tokens=a.spec_tokens, width=a.spec_width,
-            draft_model=a.draft_model, draft_layers=a.draft_layers,
+            draft_model=a.draft_model, draft_layers=a.draft_layers, draft_stop_below=a.draft_stop_below,
         ),
     )
 

@@ -262,3 +262,69 @@ def test_no_blocks_leak_after_aborts_with_speculation(tiny_llama: Path, draft_di
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     drafter = engine.drafter
     assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks  # the draft model's own cache too
+
+
+# ---------------------------------------------------------------------------
+# The bundled model, 16 Spec-Bench prompts in one mixed batch
+
+
+@pytest.fixture(scope="module")
+def smollm_prompts(bundled_model_dir: Path) -> list[list[int]]:
+    from specserve.bench.spec import load_by_category
+    from specserve.tokenizer import apply_chat_template, load_tokenizer
+
+    try:
+        questions = load_by_category(None, 2)[:16]
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tok = load_tokenizer(bundled_model_dir)
+    return [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+
+
+@pytest.fixture(scope="module")
+def smollm_plain(smollm_prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM("smollm2-135m")
+    return [o.token_ids for o in llm.generate(smollm_prompts, SMOLLM_GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def smollm_draft_dir(bundled_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real smaller draft with the same tokenizer: SmolLM2's first 8 layers, norm and head."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("smollm-8-layers")
+    cfg = json.loads((bundled_model_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = 8
+    (out / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(bundled_model_dir / "model.safetensors"))
+    keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 8}
+    save_file(keep, str(out / "model.safetensors"))
+    for f in bundled_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+SMOLLM_GREEDY = SamplingParams(max_tokens=40, temperature=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "suffix", "recycling", "layer-skip", "draft-model"])
+def test_bundled_model_greedy_equivalence_every_drafter(
+    smollm_prompts: list[list[int]], smollm_plain: list[list[int]], smollm_draft_dir: Path, method: str
+) -> None:
+    spec: dict = dict(method=method, num_tokens=4)
+    if method == "draft-model":
+        spec["draft_model"] = str(smollm_draft_dir)
+    for opts in (dict(max_num_batched_tokens=256), dict(num_kv_blocks=48)):  # chunked prefill; preemption
+        llm = LLM("smollm2-135m", speculative=spec, **opts)
+        outs = llm.generate(smollm_prompts, SMOLLM_GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == smollm_plain, (method, opts)
+        engine = llm.engine
+        assert engine.spec_totals.steps > 0
+        if "num_kv_blocks" in opts:
+            assert engine.stats().num_preemptions > 0
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -49,10 +49,14 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         "ngram": dict(method="ngram", num_tokens=k, width=a.spec_width),
         "suffix": dict(method="suffix", num_tokens=k),
         "recycling": dict(method="recycling", num_tokens=k),
-        "layer-skip": dict(method="layer-skip", num_tokens=k, draft_layers=a.draft_layers),
+        "layer-skip": dict(method="layer-skip", num_tokens=k, draft_layers=a.draft_layers,
+                           draft_stop_below=a.draft_stop_below),
+        "ngram+recycling": dict(method="ngram+recycling", num_tokens=k, width=a.spec_width),
+        "suffix+recycling": dict(method="suffix+recycling", num_tokens=k),
     }
     if a.draft_model:
-        all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model)
+        all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
+                                          draft_stop_below=a.draft_stop_below)
     names = a.methods.split(",") if a.methods else list(all_methods)
     if "none" not in names:
         names = ["none"] + names

@@ -11,7 +11,8 @@ SPEC_METHODS = ("none", "ngram", "suffix", "recycling", "draft-model", "layer-sk
 class SpecConfig:
     """Which drafter, and how many draft tokens per request per step.
 
-    method: none | ngram | suffix | recycling | draft-model | layer-skip
+    method: none | ngram | suffix | recycling | draft-model | layer-skip, or several joined by
+        "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first
     num_tokens: draft tokens (tree nodes) each decoding request may get per step (K); 0 = plain decoding
     width: tree width where the drafter has one (ngram: distinct continuations; draft-model:
         candidates at the root)
@@ -25,18 +26,27 @@ class SpecConfig:
     width: int = 1
     draft_model: str | None = None
     draft_layers: int | None = None
+    draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"spec: unknown method {self.method!r}; choose one of {', '.join(SPEC_METHODS)}")
+        for part in self.methods:
+            if part not in SPEC_METHODS or (part == "none" and len(self.methods) > 1):
+                raise ValueError(f"spec: unknown method {part!r}; choose one of {', '.join(SPEC_METHODS)}, "
+                                 "or several joined by '+'")
         if self.num_tokens < 0:
             raise ValueError(f"spec_tokens: must be >= 0, got {self.num_tokens}")
         if self.width < 1:
             raise ValueError(f"spec_width: must be >= 1, got {self.width}")
-        if self.method == "draft-model" and not self.draft_model:
+        if "draft-model" in self.methods and not self.draft_model:
             raise ValueError("draft_model: --spec draft-model needs --draft-model PATH")
+        if not 0.0 <= self.draft_stop_below < 1.0:
+            raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers: must be >= 1, got {self.draft_layers}")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.method.split("+"))
 
     @property
     def enabled(self) -> bool:

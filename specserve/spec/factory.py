@@ -21,32 +21,40 @@ def default_draft_layers(num_layers: int) -> int:
 
 
 def build_drafter(spec: SpecConfig, engine: "LLMEngine") -> Drafter:
+    if len(spec.methods) > 1:
+        from specserve.spec.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter([_build_one(m, spec, engine) for m in spec.methods])
+    return _build_one(spec.method, spec, engine)
+
+
+def _build_one(method: str, spec: SpecConfig, engine: "LLMEngine") -> Drafter:
     gen = torch.Generator(device=engine.device)
     gen.manual_seed(engine.config.seed + 1)
-    if spec.method == "ngram":
+    if method == "ngram":
         from specserve.spec.drafters.ngram import NgramDrafter
 
         return NgramDrafter(max_width=spec.width)
-    if spec.method == "suffix":
+    if method == "suffix":
         from specserve.spec.drafters.suffix import SuffixDrafter
 
         return SuffixDrafter()
-    if spec.method == "recycling":
+    if method == "recycling":
         from specserve.spec.drafters.recycling import RecyclingDrafter
 
         vocab = engine.model.config.vocab_size
         return RecyclingDrafter(vocab_size=vocab, topk=min(8, vocab))
-    if spec.method == "layer-skip":
+    if method == "layer-skip":
         from specserve.spec.drafters.model_based import LayerSkipDrafter
 
         total = engine.model.config.num_layers
         layers = spec.draft_layers or engine.default_draft_layers or default_draft_layers(total)
         if not 1 <= layers < total:
             raise ValueError(f"draft_layers: must be between 1 and {total - 1} for this model, got {layers}")
-        return LayerSkipDrafter(engine.runner, gen, layers)
-    if spec.method == "draft-model":
+        return LayerSkipDrafter(engine.runner, gen, layers, spec.draft_stop_below)
+    if method == "draft-model":
         return _draft_model(spec, engine, gen)
-    raise ValueError(f"spec: no drafter for method {spec.method!r}")
+    raise ValueError(f"spec: no drafter for method {method!r}")
 
 
 def _draft_model(spec: SpecConfig, engine: "LLMEngine", gen: torch.Generator) -> Drafter:
@@ -67,4 +75,4 @@ def _draft_model(spec: SpecConfig, engine: "LLMEngine", gen: torch.Generator) ->
     bs = cfg.cache.block_size
     num_blocks = max(16, cfg.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, cfg.dtype))
     runner = ModelRunner(model, allocate_kv_cache(model, num_blocks, bs, cfg.dtype, engine.device), bs, engine.device)
-    return DraftModelDrafter(runner, BlockManager(num_blocks, bs, enable_prefix_caching=False), gen)
+    return DraftModelDrafter(runner, BlockManager(num_blocks, bs, enable_prefix_caching=False), gen, spec.draft_stop_below)

@@ -30,13 +30,17 @@ class _Chain:
 
 
 class _ChainDrafter(Drafter):
-    """Shared chain drafting: `_first_items` feeds what each request needs before its first draft
-    token; then each drafted token is fed back until every budget is used."""
+    """Shared chain drafting: feed what each request needs before its first draft token, then feed
+    each drafted token back until its budget is used or the draft's confidence in its own pick
+    falls below `stop_below` (a chain that is likely wrong costs forwards and buys nothing)."""
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator, num_layers: int | None) -> None:
+    def __init__(
+        self, runner: ModelRunner, generator: torch.Generator, num_layers: int | None, stop_below: float = 0.0
+    ) -> None:
         self.runner = runner
         self.generator = generator
         self.num_layers = num_layers
+        self.stop_below = stop_below
 
     def _draft(self, chains: list[_Chain], first: list[ForwardItem], starts: list[int]) -> list[DraftTree]:
         items = first
@@ -45,12 +49,15 @@ class _ChainDrafter(Drafter):
         while live:
             logits, rows = self.runner.run(items, num_layers=self.num_layers)
             picked = self._pick([chains[i] for i in live], logits[[r[0] for r in rows]])  # type: ignore[index]
-            for i, (tok, prob) in zip(live, picked):
+            confident = set()
+            for i, (tok, prob, conf) in zip(live, picked):
                 chains[i].tokens.append(tok)
                 if prob is not None:
                     chains[i].probs.append(prob)
+                if conf >= self.stop_below:
+                    confident.add(i)
             step += 1
-            live = [i for i in live if len(chains[i].tokens) < chains[i].request.budget]
+            live = [i for i in live if i in confident and len(chains[i].tokens) < chains[i].request.budget]
             items = [
                 ForwardItem(self._table(chains[i].request), starts[i] + step, [chains[i].tokens[-1]])
                 for i in live
@@ -60,7 +67,9 @@ class _ChainDrafter(Drafter):
             for c in chains
         ]
 
-    def _pick(self, chains: list[_Chain], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    def _pick(self, chains: list[_Chain], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None, float]]:
+        """Per chain: the next draft token, the distribution it was drawn from (None when greedy),
+        and the draft's probability of it."""
         params = [c.request.view.params for c in chains]
         processed = Sampler.processed_logits(
             logits.float(),
@@ -68,15 +77,16 @@ class _ChainDrafter(Drafter):
             [list(c.request.view.prompt_token_ids) for c in chains],
             [list(c.request.view.output_token_ids) + c.tokens for c in chains],
         )
-        out: list[tuple[int, torch.Tensor | None]] = []
+        out: list[tuple[int, torch.Tensor | None, float]] = []
         for row, (c, p) in enumerate(zip(chains, params)):
-            if p.greedy:
-                out.append((int(processed[row].argmax()), None))
-                continue
             probs = processed[row].softmax(-1)
+            if p.greedy:
+                tok = int(probs.argmax())
+                out.append((tok, None, float(probs[tok])))
+                continue
             gen = c.request.generator or self.generator
             tok = int(torch.multinomial(probs.to(gen.device), 1, generator=gen).item())
-            out.append((tok, probs))
+            out.append((tok, probs, float(probs[tok])))
         return out
 
     def _table(self, request: DraftRequest) -> list[int]:
@@ -110,8 +120,10 @@ class DraftModelDrafter(_ChainDrafter):
     batched across requests, then drafts the chain.
     """
 
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, generator: torch.Generator) -> None:
-        super().__init__(runner, generator, None)
+    def __init__(
+        self, runner: ModelRunner, blocks: BlockManager, generator: torch.Generator, stop_below: float = 0.0
+    ) -> None:
+        super().__init__(runner, generator, None, stop_below)
         self.blocks = blocks
         self._seqs: dict[str, Sequence] = {}
 
