@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
 # Layers the layer-skip drafter uses when none is given, chosen by measurement (BENCHMARKS.md).
-DEFAULT_DRAFT_LAYERS = {"smollm2-135m": 12}
+DEFAULT_DRAFT_LAYERS = {"smollm2-135m": 24}
 
 
 def default_draft_layers(num_layers: int) -> int:
