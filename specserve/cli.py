@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     sp.add_argument("--json", default=None, help="write rows to this JSON file")
     sp.set_defaults(func=cmd_bench_spec)
+
+    from specserve.server.cli import add_serve_parser  # here: specserve.server.cli imports this module
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,339 @@
+"""`AsyncEngine`: the engine stepping in one background thread, shared by every HTTP request.
+
+The engine is not thread-safe, so everything that touches it (adding, aborting, stepping,
+reading stats, tokenizing prompts) runs on that one thread. The event loop talks to it through
+an inbox of commands (a deque plus a `threading.Event` the thread sleeps on when idle); results
+and per-step outputs come back with `loop.call_soon_threadsafe` into asyncio futures and
+per-request queues. After every pass the thread publishes an immutable `EngineSnapshot` for
+`/metrics` and for admission control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Callable, Generic, Sequence, TypeVar
+
+from specserve.engine.engine import EngineStats, LLMEngine
+from specserve.engine.sequence import SpecCounters
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("specserve.server")
+
+T = TypeVar("T")
+
+# A prompt, or a function that makes one on the engine thread (e.g. a chat template: it needs the tokenizer).
+Prompt = str | list[int] | Callable[[LLMEngine], str | list[int]]
+Command = Callable[[LLMEngine], None]
+
+
+class QueueFullError(RuntimeError):
+    """More requests would be waiting than the server accepts (HTTP 429)."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed or stopped while a request was in flight."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after the background thread's latest pass."""
+
+    stats: EngineStats
+    spec: SpecCounters
+    queued: int  # requests submitted but not yet added to the engine
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting + self.queued
+
+
+def _copy_spec(c: SpecCounters) -> SpecCounters:
+    return replace(c, accepted_per_position=list(c.accepted_per_position))
+
+
+class RequestStream:
+    """The outputs of a group of engine requests (e.g. the n choices of one HTTP request), in
+    the order the engine emits them; ends when every request has finished. `close()` aborts the
+    unfinished ones (a client that went away) and is safe to call more than once."""
+
+    def __init__(self, owner: AsyncEngine, request_ids: Sequence[str], queue: asyncio.Queue[Any]) -> None:
+        self._owner = owner
+        self._queue = queue
+        self._unfinished = set(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    def close(self) -> None:
+        if self._unfinished:
+            self._owner.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+
+class _Reply(Generic[T]):
+    """Delivers a result computed on the engine thread to an asyncio future on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.future: asyncio.Future[T] = loop.create_future()
+
+    def set(self, value: T | None = None, error: BaseException | None = None) -> None:
+        def deliver() -> None:
+            if self.future.done():  # the awaiting handler was cancelled
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)  # type: ignore[arg-type]
+
+        try:
+            self._loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            pass
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and steps it in a dedicated thread; async API for the HTTP handlers.
+
+    `max_waiting`: once this many requests wait (in the scheduler's queue, or submitted but not yet
+    added), `submit` raises QueueFullError. A group (n choices) is admitted whole while the queue is
+    not full, so a large n is never refused forever.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
+        self._engine = engine
+        self._max_waiting = max_waiting
+        self._inbox: deque[Command] = deque()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # guards _snapshot and _queued (both threads)
+        self._queued = 0
+        self._snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.spec_totals), 0)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._routes: dict[str, asyncio.Queue[Any]] = {}  # event-loop side only
+        self._active: set[str] = set()  # engine-thread side only: added, not yet finished
+        self._carried = 0  # engine-thread side only: requests in the add commands of this pass
+
+    # -- lifecycle (event loop) --------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still in flight and stop the thread (returns once it has ended)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():  # commands sent during the last pass; the engine is ours now
+                self._run_commands(self._engine)
+                self._abort(self._engine, sorted(self._active))
+        for queue in set(self._routes.values()):
+            queue.put_nowait(EngineError("the server is shutting down"))
+        self._routes.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def snapshot(self) -> EngineSnapshot:
+        """Thread-safe: the state published after the engine thread's latest pass."""
+        with self._lock:
+            return replace(self._snapshot, queued=self._queued)
+
+    # -- requests (event loop) ---------------------------------------------
+    async def submit(self, requests: Sequence[EngineRequest]) -> RequestStream:
+        """Add a group of requests (all or none); raises InvalidRequestError (bad input, from the
+        engine's validation), QueueFullError or EngineError. Returns their output stream."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        ids = [r.request_id for r in requests]
+        with self._lock:
+            if self._snapshot.stats.num_waiting + self._queued >= self._max_waiting:
+                raise QueueFullError(
+                    f"too many requests waiting (at most {self._max_waiting}); retry later"
+                )
+            self._queued += len(requests)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        for rid in ids:
+            self._routes[rid] = queue
+        reply: _Reply[None] = _Reply(self._require_loop())
+        self._send(lambda engine: self._add(engine, requests, reply))
+        try:
+            await reply.future
+        except asyncio.CancelledError:
+            self.abort(ids)  # the add may have gone through; the abort comes after it
+            raise
+        except BaseException:
+            for rid in ids:
+                self._routes.pop(rid, None)
+            raise
+        return RequestStream(self, ids, queue)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """One request's outputs as they come; aborts it if the consumer stops early."""
+        stream = await self.submit([EngineRequest(request_id, prompt, params)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop delivering outputs for these requests and abort them in the engine."""
+        ids = list(request_ids)
+        for rid in ids:
+            self._routes.pop(rid, None)
+        self._send(lambda engine: self._abort(engine, ids))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps (tokenizing, reading config)."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        reply: _Reply[T] = _Reply(self._require_loop())
+
+        def command(engine: LLMEngine) -> None:
+            try:
+                reply.set(fn(engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                reply.set(error=e)
+
+        self._send(command)
+        return await reply.future
+
+    def _send(self, command: Command) -> None:
+        self._inbox.append(command)
+        self._wake.set()
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise EngineError("the engine loop has not been started")
+        return self._loop
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: route each output to its request's queue."""
+        for out in outputs:
+            queue = self._routes.get(out.request_id)
+            if queue is None:
+                continue
+            if out.finished:
+                del self._routes[out.request_id]
+            queue.put_nowait(out)
+
+    def _fail(self, request_ids: list[str], message: str) -> None:
+        """On the event loop: end these requests' streams with an error."""
+        for rid in request_ids:
+            queue = self._routes.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(EngineError(message))
+
+    # -- the engine thread ---------------------------------------------------
+    def _run(self) -> None:
+        engine = self._engine
+        while not self._stopping.is_set():
+            added = self._run_commands(engine)
+            if engine.has_unfinished_requests():
+                self._step(engine)
+            self._publish(engine, added)
+            if not engine.has_unfinished_requests() and not self._inbox:
+                self._wake.wait()
+                self._wake.clear()
+        self._run_commands(engine)  # aborts sent by handlers that finished during shutdown
+        self._abort(engine, sorted(self._active))
+        self._publish(engine, 0)
+
+    def _run_commands(self, engine: LLMEngine) -> int:
+        """Run every queued command; returns how many requests the adds among them carried."""
+        self._carried = 0
+        while self._inbox:
+            command = self._inbox.popleft()
+            try:
+                command(engine)
+            except Exception:  # noqa: BLE001 - a command must never take the thread down
+                logger.exception("engine command failed")
+        return self._carried
+
+    def _add(self, engine: LLMEngine, requests: Sequence[EngineRequest], reply: _Reply[None]) -> None:
+        self._carried += len(requests)
+        added: list[str] = []
+        rendered: dict[int, str | list[int]] = {}  # a prompt function shared by n choices runs once
+        try:
+            for r in requests:
+                prompt = r.prompt
+                if callable(prompt):
+                    key = id(prompt)
+                    if key not in rendered:
+                        rendered[key] = prompt(engine)
+                    prompt = rendered[key]
+                engine.add_request(prompt, r.params, r.request_id)
+                added.append(r.request_id)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            for rid in added:
+                engine.abort_request(rid)
+            reply.set(error=e)
+            return
+        self._active.update(added)
+        reply.set(None)
+
+    def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            engine.abort_request(rid)
+            self._active.discard(rid)
+
+    def _step(self, engine: LLMEngine) -> None:
+        try:
+            outputs = engine.step()
+        except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
+            logger.exception("engine step failed; aborting %d request(s)", len(self._active))
+            failed = sorted(self._active)
+            self._abort(engine, failed)
+            self._post(self._fail, failed, "internal engine error; the request was aborted")
+            return
+        for out in outputs:
+            if out.finished:
+                self._active.discard(out.request_id)
+        if outputs:
+            self._post(self._dispatch, outputs)
+
+    def _publish(self, engine: LLMEngine, added: int) -> None:
+        snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.spec_totals), 0)
+        with self._lock:
+            self._snapshot = snapshot
+            self._queued -= added
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._require_loop().call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is gone (shutdown)
+            pass

@@ -1,0 +1,105 @@
+"""Prometheus metrics, one private registry per app (no global state).
+
+Per-request series (counters, histograms) are updated by the handlers as requests finish; the
+engine's gauges and speculation counters are read at scrape time from the snapshot the engine
+thread publishes after every pass, so a scrape never touches the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from specserve.outputs import RequestOutput
+from specserve.server.engine_loop import EngineSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REQUEST_STATUSES = ("success", "error", "abort")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineCollector(Collector):
+    """Engine gauges and speculation totals from the latest published snapshot."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        stats, spec = snap.stats, snap.spec
+        yield GaugeMetricFamily("specserve_num_requests_running", "Requests running in the engine",
+                                value=stats.num_running)
+        yield GaugeMetricFamily("specserve_num_requests_waiting",
+                                "Requests waiting: in the scheduler's queue or submitted to the engine thread",
+                                value=snap.num_waiting)
+        yield GaugeMetricFamily("specserve_kv_blocks_used", "KV cache blocks held by requests",
+                                value=stats.kv_blocks_used)
+        yield GaugeMetricFamily("specserve_kv_blocks_total", "KV cache blocks", value=stats.kv_blocks_total)
+        yield GaugeMetricFamily("specserve_prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                                value=stats.prefix_cache_hit_rate)
+        yield CounterMetricFamily("specserve_num_preemptions", "Requests preempted (to be recomputed)",
+                                  value=stats.num_preemptions)
+        yield CounterMetricFamily("specserve_spec_draft_tokens", "Draft tokens proposed", value=spec.proposed)
+        yield CounterMetricFamily("specserve_spec_accepted_tokens", "Draft tokens accepted", value=spec.accepted)
+        yield CounterMetricFamily("specserve_spec_verification_steps",
+                                  "Decode steps that verified a draft", value=spec.steps)
+        by_position = CounterMetricFamily("specserve_spec_accepted_tokens_by_position",
+                                          "Draft tokens accepted at each depth (1 = first draft token)",
+                                          labels=["position"])
+        for depth, count in enumerate(spec.accepted_per_position, start=1):
+            by_position.add_metric([str(depth)], count)
+        yield by_position
+
+
+class ServerMetrics:
+    """The app's registry and its per-request series."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specserve_requests", "Generation requests by outcome (success, error, abort)",
+                                ["status"], registry=r)
+        for status in REQUEST_STATUSES:
+            self.requests.labels(status=status)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of engine requests (each choice counts its prompt)",
+                                     registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("specserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Arrival to last token, per engine request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(EngineCollector(snapshot))
+
+    def request_done(self, status: str) -> None:
+        self.requests.labels(status=status).inc()
+
+    def output_finished(self, out: RequestOutput) -> None:
+        """Record a finished engine request (one choice)."""
+        m = out.metrics
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        if m.finish_time is not None and m.first_token_time is not None and len(out.token_ids) > 1:
+            self.tpot.observe((m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
+
+    def output_aborted(self, out: RequestOutput) -> None:
+        """Record the tokens of an engine request aborted before it finished (client gone)."""
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,452 @@
+"""Completions and chat completions: a request body becomes engine requests (one per choice), and
+their outputs become OpenAI responses or server-sent-event chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.engine.engine import LLMEngine
+from specserve.engine.sequence import SpecCounters, TokenLogprob
+from specserve.errors import InvalidRequestError
+from specserve.outputs import RequestOutput
+from specserve.server.engine_loop import AsyncEngine, EngineError, EngineRequest, QueueFullError, RequestStream
+from specserve.server.errors import APIError
+from specserve.server.metrics import ServerMetrics
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.tokenizer import apply_chat_template
+
+logger = logging.getLogger("specserve.server")
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (GPT-2's bytes_to_unicode)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenTexts:
+    """Each token's text and raw bytes, for logprobs; memoized. Decoding is read-only tokenizer
+    use, which fast tokenizers allow from any thread."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._byte_decoder = _gpt2_byte_decoder()
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def text(self, token_id: int) -> str:
+        return self._get(token_id)[0]
+
+    def byte_values(self, token_id: int) -> list[int]:
+        return list(self._get(token_id)[1])
+
+    def _get(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, bytes]:
+        if self._tok is None:
+            return f"<{token_id}>", str(token_id).encode()
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, text.encode()
+        piece = self._tok.convert_ids_to_tokens(token_id)  # part of a character: recover its bytes
+        if isinstance(piece, str):
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # SentencePiece byte
+                return text, bytes([int(piece[3:5], 16)])
+            if all(ch in self._byte_decoder for ch in piece):  # byte-level BPE
+                return text, bytes(self._byte_decoder[ch] for ch in piece)
+        return text, text.encode()
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    texts: TokenTexts
+    served_model_name: str
+    max_model_len: int
+    max_choices: int  # engine requests one HTTP request may make (prompts x n): the waiting queue's size
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_choices:
+            raise InvalidRequestError(
+                "n", f"{num_prompts} prompt(s) x n={n} is more than the {self.max_choices} choices a request may have"
+            )
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP generation request; choice i is requests[i], made from prompt prompt_of[i]."""
+
+    id: str
+    model: str
+    requests: list[EngineRequest]
+    prompt_of: list[int]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    rename: dict[str, str]  # engine field name -> this endpoint's name for it
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def index_of(self) -> dict[str, int]:
+        return {r.request_id: i for i, r in enumerate(self.requests)}
+
+    def usage(self, outs: dict[int, RequestOutput]) -> dict[str, int]:
+        prompt_lens = {self.prompt_of[i]: len(o.prompt_token_ids) for i, o in outs.items()}
+        prompt = sum(prompt_lens.values())
+        completion = sum(len(o.token_ids) for o in outs.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _new_logprobs(out: RequestOutput) -> list[TokenLogprob]:
+    """The logprobs of this output's new tokens."""
+    if not out.logprobs or not out.new_token_ids:
+        return []
+    return out.logprobs[len(out.token_ids) - len(out.new_token_ids) :]
+
+
+class Format(Protocol):
+    """How one endpoint shapes a request's response or stream chunks (one instance per request)."""
+
+    chunk_object: str
+
+    def response(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]: ...
+
+    def opening_chunks(self, job: Job) -> list[dict[str, Any]]: ...
+
+    def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None: ...
+
+
+class CompletionFormat:
+    """/v1/completions: `text_completion` objects; logprobs as tokens / token_logprobs /
+    top_logprobs / text_offset."""
+
+    chunk_object = "text_completion"
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next token (streams)
+
+    def _logprobs(self, job: Job, index: int, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not job.logprobs:
+            return None
+        offset = self._offsets.get(index, 0)
+        tokens = [self._texts.text(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        self._offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) for lp in lps],
+            "top_logprobs": [{self._texts.text(t): _finite(v) for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def response(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = [
+            {"index": i, "text": o.text, "logprobs": self._logprobs(job, i, o.logprobs or []),
+             "finish_reason": o.finish_reason}
+            for i, o in enumerate(finals)
+        ]
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
+                "choices": choices, "usage": job.usage(dict(enumerate(finals)))}
+
+    def opening_chunks(self, job: Job) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not (out.new_text or out.finished or (job.logprobs and out.new_token_ids)):
+            return None
+        choice = {"index": index, "text": out.new_text,
+                  "logprobs": self._logprobs(job, index, _new_logprobs(out)),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        return self._envelope(job, [choice])
+
+    def _envelope(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
+                "choices": choices}
+
+
+class ChatFormat:
+    """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs.content entries."""
+
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self._texts.text(token_id), "logprob": _finite(logprob), "bytes": self._texts.byte_values(token_id)}
+
+    def _logprobs(self, job: Job, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not job.logprobs:
+            return None
+        return {"content": [
+            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]}
+
+    def response(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": o.text},
+             "logprobs": self._logprobs(job, o.logprobs or []), "finish_reason": o.finish_reason}
+            for i, o in enumerate(finals)
+        ]
+        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
+                "choices": choices, "usage": job.usage(dict(enumerate(finals)))}
+
+    def opening_chunks(self, job: Job) -> list[dict[str, Any]]:
+        return [self._envelope(job, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                for i in range(len(job.requests))]
+
+    def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not (out.new_text or out.finished or (job.logprobs and out.new_token_ids)):
+            return None
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(job, _new_logprobs(out)),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        return self._envelope(job, [choice])
+
+    def _envelope(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
+                "choices": choices}
+
+
+class RequestTracker:
+    """Metrics and the one log line of a generation request (all its choices)."""
+
+    def __init__(self, job: Job, metrics: ServerMetrics) -> None:
+        self._job = job
+        self._metrics = metrics
+        self._start = time.perf_counter()
+        self._index = job.index_of()
+        self._last: dict[int, RequestOutput] = {}
+        self._closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        self._last[self._index[out.request_id]] = out
+        if out.finished:
+            self._metrics.output_finished(out)
+
+    @property
+    def complete(self) -> bool:
+        return len(self._last) == len(self._job.requests) and all(o.finished for o in self._last.values())
+
+    def close(self, status: str | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        status = status or ("success" if self.complete else "abort")
+        for out in self._last.values():
+            if not out.finished:
+                self._metrics.output_aborted(out)
+        self._metrics.request_done(status)
+        usage = self._job.usage(self._last)
+        ttfts = [o.metrics.ttft for o in self._last.values() if o.metrics.ttft is not None]
+        spec = SpecCounters()
+        for o in self._last.values():
+            spec.add(o.metrics.spec)
+        logger.info(
+            "%s %s: prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs mean_accepted_len=%s",
+            self._job.id, status, usage["prompt_tokens"], usage["completion_tokens"],
+            f"{min(ttfts):.3f}s" if ttfts else "-", time.perf_counter() - self._start,
+            f"{spec.mean_accepted_length:.2f}" if spec.steps else "-",
+        )
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    return f"data: {data}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+    """Run `work`; give up (cancelling it) if the client disconnects first. True if it finished."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        return False
+    task.result()  # re-raise its error, if any
+    return True
+
+
+class GenerationRun:
+    """Runs one Job on the engine and answers with a JSON response or an event stream."""
+
+    def __init__(self, ctx: ServingContext, job: Job, fmt: Format) -> None:
+        self._ctx = ctx
+        self._job = job
+        self._fmt = fmt
+
+    async def respond(self, request: Request) -> Response:
+        job = self._job
+        try:
+            stream = await self._ctx.engine.submit(job.requests)
+        except InvalidRequestError as e:
+            raise APIError.invalid(e, job.rename) from None
+        except QueueFullError as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except EngineError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+        tracker = RequestTracker(job, self._ctx.metrics)
+        if job.stream:
+            return StreamingResponse(self._events(job, stream, tracker), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._complete(job, stream, tracker, request)
+
+    async def _complete(self, job: Job, stream: RequestStream, tracker: RequestTracker, request: Request) -> Response:
+        finals: dict[int, RequestOutput] = {}
+        index = job.index_of()
+
+        async def drain() -> None:
+            async for out in stream:
+                tracker.observe(out)
+                if out.finished:
+                    finals[index[out.request_id]] = out
+
+        try:
+            done = await _unless_disconnected(request, drain())
+        except EngineError as e:
+            tracker.close("error")
+            err = APIError(500, str(e), type="server_error", code="engine_error")
+            return JSONResponse(err.body(), status_code=err.status)
+        finally:
+            stream.close()
+            tracker.close()
+        if not done:  # nobody to answer
+            return Response(status_code=499)
+        return JSONResponse(self._fmt.response(job, [finals[i] for i in range(len(job.requests))]))
+
+    async def _events(self, job: Job, stream: RequestStream, tracker: RequestTracker) -> AsyncIterator[str]:
+        index = job.index_of()
+        status: str | None = None
+        try:
+            for opening in self._fmt.opening_chunks(job):
+                yield _sse(self._with_usage_field(job, opening))
+            finals: dict[int, RequestOutput] = {}
+            async for out in stream:
+                tracker.observe(out)
+                if out.finished:
+                    finals[index[out.request_id]] = out
+                chunk = self._fmt.chunk(job, index[out.request_id], out)
+                if chunk is not None:
+                    yield _sse(self._with_usage_field(job, chunk))
+            if job.include_usage:
+                yield _sse({"id": job.id, "object": self._fmt.chunk_object, "created": job.created,
+                            "model": job.model, "choices": [], "usage": job.usage(finals)})
+            yield _sse("[DONE]")
+        except EngineError as e:
+            status = "error"
+            yield _sse(APIError(500, str(e), type="server_error", code="engine_error").body())
+            yield _sse("[DONE]")
+        finally:
+            stream.close()
+            tracker.close(status)
+
+    @staticmethod
+    def _with_usage_field(job: Job, chunk: dict[str, Any]) -> dict[str, Any]:
+        if job.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+def _request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
+    """Engine requests for a completions body: prompt p's choice i is choice p * n + i."""
+    ctx.check_model(body.model)
+    try:
+        body.check_supported()
+        prompts = body.prompts()
+        ctx.check_choices(len(prompts), body.n)
+        params = [body.sampling_params(i) for i in range(body.n)]
+    except InvalidRequestError as e:
+        raise APIError.invalid(e) from None
+    job_id = _request_id("cmpl")
+    requests: list[EngineRequest] = []
+    prompt_of: list[int] = []
+    for p, prompt in enumerate(prompts):
+        for i in range(body.n):
+            requests.append(EngineRequest(f"{job_id}-{len(requests)}", prompt, params[i]))
+            prompt_of.append(p)
+    return Job(job_id, body.model or ctx.served_model_name, requests, prompt_of, body.stream, body.include_usage,
+               body.logprobs is not None, {})
+
+
+class ChatPrompt:
+    """Renders the conversation with the model's chat template, on the engine thread."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self._messages = messages
+
+    def __call__(self, engine: LLMEngine) -> list[int]:
+        if engine.tokenizer is None:
+            raise InvalidRequestError("messages", "this model has no tokenizer")
+        try:
+            return list(apply_chat_template(engine.tokenizer, self._messages))
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (jinja raise_exception)
+            raise InvalidRequestError("messages", f"the chat template rejected the conversation: {e}") from None
+
+
+def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
+    ctx.check_model(body.model)
+    rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
+    try:
+        body.check_supported()
+        messages = body.template_messages()
+        ctx.check_choices(1, body.n)
+        params = [body.sampling_params(i, ctx.max_model_len) for i in range(body.n)]
+    except InvalidRequestError as e:
+        raise APIError.invalid(e, rename) from None
+    job_id = _request_id("chatcmpl")
+    prompt = ChatPrompt(messages)
+    requests = [EngineRequest(f"{job_id}-{i}", prompt, params[i]) for i in range(body.n)]
+    return Job(job_id, body.model or ctx.served_model_name, requests, [0] * body.n, body.stream, body.include_usage,
+               body.logprobs, rename)
