@@ -160,6 +160,19 @@ def cmd_bench_spec(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from specserve.bench.launcher import ServerStartError
+    from specserve.bench.serve import ServerUnusable
+    from specserve.bench.serve_command import run_serve_bench
+
+    try:
+        run_serve_bench(a)
+    except (ServerStartError, ServerUnusable) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
+    from specserve.bench.report import add_report_args
+
+    dataset_help = ("spec-bench, sharegpt, humaneval, or a Spec-Bench style jsonl path "
+                    "(default: spec-bench, ../shared/data/spec_bench_question.jsonl)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     tp = bench_sub.add_parser("throughput", help="output tokens/s vs transformers generate() at several batch sizes")
@@ -185,9 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--batch-sizes", default="1,8,32")
     tp.add_argument("--max-tokens", type=int, default=128)
     tp.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median is reported")
-    tp.add_argument("--dataset", default=None, help="Spec-Bench jsonl (default: ../shared/data/spec_bench_question.jsonl)")
+    tp.add_argument("--dataset", default=None, help=dataset_help)
+    tp.add_argument("--dataset-path", default=None, help="the named dataset's file, where not its default one")
     tp.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    tp.add_argument("--json", default=None, help="write rows to this JSON file")
+    add_report_args(tp, plot=True)
     tp.set_defaults(func=cmd_bench_throughput)
 
     sp = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench, batch 1, every drafter")
@@ -195,10 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--methods", default=None, help="comma-separated subset (default: all; `none` always runs)")
     sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
     sp.add_argument("--max-tokens", type=int, default=256)
-    sp.add_argument("--dataset", default=None, help="Spec-Bench jsonl (default: ../shared/data/spec_bench_question.jsonl)")
+    sp.add_argument("--dataset", default=None, help=dataset_help)
+    sp.add_argument("--dataset-path", default=None, help="the named dataset's file, where not its default one")
     sp.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
-    sp.add_argument("--json", default=None, help="write rows to this JSON file")
+    add_report_args(sp, plot=True)
     sp.set_defaults(func=cmd_bench_spec)
+
+    from specserve.bench.serve_command import add_serve_bench_args
+
+    sv = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server; rate sweeps "
+                                             "over server configurations")
+    add_serve_bench_args(sv)
+    sv.set_defaults(func=cmd_bench_serve)
 
     from specserve.server.cli import add_serve_parser  # here: specserve.server.cli imports this module
 

@@ -10,7 +10,6 @@ cost of verifying k draft tokens against a plain decode step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,26 +19,44 @@ from typing import Any
 
 import torch
 
-from specserve.bench.throughput import DEFAULT_DATASETS
+from specserve.bench.datasets import (
+    Dataset,
+    SampleSpec,
+    SpecBench,
+    hf_token_counter,
+    open_dataset,
+)
+from specserve.bench.report import (
+    BenchReport,
+    Column,
+    ReportPaths,
+    markdown_table,
+    progress,
+)
+
+SPEC_COLUMNS = (
+    Column("method", "method"),
+    Column("tokens_per_s", "tok/s", ".1f"),
+    Column("speedup_vs_none", "vs none", ".2f"),
+    Column("mean_accepted_length", "acc. len", ".2f"),
+)
 
 
 def load_by_category(path: Path | None, per_category: int) -> list[tuple[str, str]]:
     """(category, first-turn question) pairs, the first `per_category` of each category in file order."""
-    if path is None:
-        path = next((p for p in DEFAULT_DATASETS if p.is_file()), DEFAULT_DATASETS[0])
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset: {path} not found; pass --dataset PATH to spec_bench_question.jsonl")
-    taken: dict[str, int] = defaultdict(int)
-    out: list[tuple[str, str]] = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        cat = row["category"]
-        if taken[cat] < per_category:
-            taken[cat] += 1
-            out.append((cat, row["turns"][0]))
-    return out
+    draw = SpecBench(path).sample(SampleSpec(per_category=per_category))
+    return [(s.category or "", s.prompt) for s in draw.samples]
+
+
+def load_questions(dataset: Dataset, per_category: int, max_tokens: int, tokenizer: Any) -> list[tuple[str, str]]:
+    """(category, prompt) pairs: Spec-Bench's first `per_category` per category; for a dataset without
+    categories, its first `per_category` usable prompts under the dataset's name."""
+    if isinstance(dataset, SpecBench):
+        spec = SampleSpec(per_category=per_category, output_len=max_tokens)
+    else:
+        spec = SampleSpec(num=per_category, output_len=max_tokens)
+    draw = dataset.sample(spec, hf_token_counter(tokenizer))
+    return [(s.category or dataset.name, s.prompt) for s in draw.samples]
 
 
 def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
@@ -68,21 +85,27 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     from specserve.cli import _engine_kwargs
     from specserve.tokenizer import apply_chat_template
 
+    paths = ReportPaths.from_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
-    questions = load_by_category(Path(a.dataset) if a.dataset else None, a.per_category)
+    dataset = open_dataset(a.dataset, Path(a.dataset_path) if getattr(a, "dataset_path", None) else None)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     base_kwargs = _engine_kwargs(a)
     base_kwargs.pop("speculative", None)
     rows: list[dict[str, Any]] = []
     per_method: dict[str, dict[str, tuple[int, float, int, int]]] = {}
+    questions: list[tuple[str, str]] = []
     prompts: list[list[int]] | None = None
     verify_cost: list[dict[str, float]] = []
-    for name, spec in _methods(a):
+    methods = _methods(a)
+    bar = None
+    for name, spec in methods:
         llm = LLM(a.model, speculative=spec, **base_kwargs)
         if prompts is None:
+            questions = load_questions(dataset, a.per_category, a.max_tokens, llm.tokenizer)
             prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
             verify_cost = measure_verify_cost(llm, prompts[0])
+            bar = progress(len(methods) * len(prompts), "spec bench generations")
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
         stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
         for (cat, _), prompt in zip(questions, prompts):
@@ -95,10 +118,13 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
                 s[1] += dt
                 s[2] += out.metrics.spec.accepted
                 s[3] += out.metrics.spec.steps
+            bar.update(1)
         per_method[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
         o = stats["overall"]
-        print(f"{name:<22} {o[0] / o[1]:7.1f} tok/s  accepted/step {_mal(o):.2f}", file=sys.stderr)
+        bar.write(f"{name:<22} {o[0] / o[1]:7.1f} tok/s  accepted/step {_mal(o):.2f}", file=sys.stderr)
         del llm
+    if bar is not None:
+        bar.close()
 
     if not a.no_transformers:
         assert prompts is not None
@@ -115,12 +141,56 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
                 "mean_accepted_length": round(_mal((tokens, secs, acc, steps)), 3),
             })
     _print_table(rows)
-    if a.json:
-        Path(a.json).write_text(json.dumps({
-            "rows": rows, "verify_cost": verify_cost, "model": a.model, "max_tokens": a.max_tokens,
-            "per_category": a.per_category, "spec_tokens": a.spec_tokens, "threads": torch.get_num_threads(),
-        }, indent=2))
+    report = BenchReport(
+        f"specserve bench spec: {a.model}, {dataset.name}, batch 1, {a.max_tokens} new tokens, K = {a.spec_tokens}",
+        tuple(rows), SPEC_COLUMNS,
+        fields={"verify_cost": verify_cost, "model": a.model, "max_tokens": a.max_tokens,
+                "per_category": a.per_category, "spec_tokens": a.spec_tokens, "threads": torch.get_num_threads(),
+                "dataset": dataset.name},
+        shown_rows=tuple(r for r in rows if r["category"] == "overall"))
+    write_spec_outputs(report, paths)
     return rows
+
+
+def write_spec_outputs(report: BenchReport, paths: ReportPaths) -> None:
+    """--json, --plot (overall tokens/s per method) and --report (with the per-category matrix)."""
+    if paths.json is not None:
+        report.write_json(paths.json)
+    overall = report.table_rows
+    if paths.plot is not None:
+        from specserve.bench.plots import plot_grouped_bars
+
+        plot_grouped_bars(paths.plot, [str(r["method"]) for r in overall],
+                          {"overall tok/s": [float(r["tokens_per_s"]) for r in overall]}, "output tokens/s",
+                          report.title)
+    if paths.report is not None:
+        report.write_markdown(paths.report, [("Per category", category_matrix(report.rows)),
+                                             ("Verification cost", _verify_cost_table(report.fields["verify_cost"]))],
+                              paths.plot)
+
+
+def category_matrix(rows: list[dict[str, Any]] | tuple[Any, ...]) -> str:
+    """Categories down, methods across: tokens/s (speedup vs none, mean accepted length)."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    categories = sorted(dict.fromkeys(r["category"] for r in rows), key=lambda c: c != "overall")
+    cell = {(r["method"], r["category"]): r for r in rows}
+    table = []
+    for cat in categories:
+        line: dict[str, Any] = {"category": f"**{cat}**" if cat == "overall" else cat}
+        for m in methods:
+            r = cell.get((m, cat))
+            line[m] = None if r is None else (
+                f"{r['tokens_per_s']:.1f}" if m == "none" else
+                f"{r['tokens_per_s']:.1f} ({r['speedup_vs_none']:.2f}x, {r['mean_accepted_length']:.2f})")
+        table.append(line)
+    return markdown_table(table, [Column("category", "category"), *(Column(m, m) for m in methods)])
+
+
+def _verify_cost_table(verify_cost: list[dict[str, float]]) -> str:
+    if not verify_cost:
+        return "not measured"
+    return markdown_table(verify_cost, [Column("k", "k"), Column("ms", "ms", ".2f"),
+                                        Column("relative", "relative to k = 0", ".2f")])
 
 
 def _mal(s: tuple[Any, ...] | list[Any]) -> float:
@@ -167,20 +237,23 @@ def _transformers(
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir_for(a.model)), dtype=parse_dtype(a.dtype)).eval()
     out: dict[str, dict[str, tuple[int, float, int, int]]] = {}
-    for name, extra in (("transformers", {}), ("transformers-prompt-lookup", {"prompt_lookup_num_tokens": 10})):
-        stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
-        for (cat, _), prompt in zip(questions, prompts):
-            ids = torch.tensor([prompt])
-            t = time.perf_counter()
-            with torch.inference_mode():
-                gen = hf.generate(ids, max_new_tokens=a.max_tokens, do_sample=False, **extra)
-            dt = time.perf_counter() - t
-            for key in (cat, "overall"):
-                stats[key][0] += gen.shape[1] - ids.shape[1]
-                stats[key][1] += dt
-        out[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
-        o = stats["overall"]
-        print(f"{name:<22} {o[0] / o[1]:7.1f} tok/s", file=sys.stderr)
+    baselines = (("transformers", {}), ("transformers-prompt-lookup", {"prompt_lookup_num_tokens": 10}))
+    with progress(len(baselines) * len(prompts), "transformers generations") as bar:
+        for name, extra in baselines:
+            stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+            for (cat, _), prompt in zip(questions, prompts):
+                ids = torch.tensor([prompt])
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    gen = hf.generate(ids, max_new_tokens=a.max_tokens, do_sample=False, **extra)
+                dt = time.perf_counter() - t
+                for key in (cat, "overall"):
+                    stats[key][0] += gen.shape[1] - ids.shape[1]
+                    stats[key][1] += dt
+                bar.update(1)
+            out[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
+            o = stats["overall"]
+            bar.write(f"{name:<22} {o[0] / o[1]:7.1f} tok/s", file=sys.stderr)
     return out
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -12,30 +11,38 @@ from typing import Any, Callable
 
 import torch
 
-# ../shared/data beside the checkout (the project's layout), else relative to the working directory.
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DATASETS = (
-    _REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl",
-    Path("../shared/data/spec_bench_question.jsonl"),
+from specserve.bench.datasets import (
+    SPEC_BENCH_FILES,
+    SampleSpec,
+    SpecBench,
+    cycle_to,
+    hf_token_counter,
+    open_dataset,
+)
+from specserve.bench.report import BenchReport, Column, ReportPaths, progress
+
+# Kept for callers that import them from here; the loaders live in specserve.bench.datasets.
+DEFAULT_DATASETS = SPEC_BENCH_FILES
+
+THROUGHPUT_COLUMNS = (
+    Column("engine", "engine"),
+    Column("batch_size", "batch"),
+    Column("tokens_per_s", "tok/s", ".1f"),
+    Column("ratio_vs_transformers", "vs transformers", ".2f"),
+    Column("fraction_of_roofline", "of roofline", ".3f"),
 )
 
 
 def load_spec_bench_prompts(path: Path | None, n: int) -> list[str]:
-    """First-turn questions from Spec-Bench, in file order."""
-    if path is None:
-        path = next((p for p in DEFAULT_DATASETS if p.is_file()), DEFAULT_DATASETS[0])
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset: {path} not found; pass --dataset PATH to spec_bench_question.jsonl")
-    out: list[str] = []
-    with path.open() as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line)["turns"][0])
-            if len(out) >= n:
-                break
-    if len(out) < n:
-        out = (out * (n // max(1, len(out)) + 1))[:n]
-    return out
+    """First-turn questions from Spec-Bench, in file order (repeated when the file has fewer than n)."""
+    return cycle_to(SpecBench(path).sample(SampleSpec(num=n)).prompts, n)
+
+
+def load_prompts(a: argparse.Namespace, tokenizer: Any, n: int) -> list[str]:
+    """`n` prompt texts from `--dataset` (file order, repeated when the dataset has fewer)."""
+    dataset = open_dataset(a.dataset, Path(a.dataset_path) if getattr(a, "dataset_path", None) else None)
+    draw = dataset.sample(SampleSpec(num=n, output_len=a.max_tokens), hf_token_counter(tokenizer))
+    return cycle_to(draw.prompts, n)
 
 
 def read_bandwidth_gbs(device: str, nbytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -56,7 +63,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_rate(fn: Callable[[], int], repeats: int, device: str) -> float:
+def _median_rate(fn: Callable[[], int], repeats: int, device: str, bar: Any = None) -> float:
     rates = []
     for _ in range(repeats):
         _sync(device)
@@ -64,6 +71,8 @@ def _median_rate(fn: Callable[[], int], repeats: int, device: str) -> float:
         tokens = fn()
         _sync(device)
         rates.append(tokens / (time.perf_counter() - t))
+        if bar is not None:
+            bar.update(1)
     return statistics.median(rates)
 
 
@@ -73,13 +82,14 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     from specserve.model.loader import model_dir_for
     from specserve.tokenizer import apply_chat_template
 
+    paths = ReportPaths.from_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
     llm = LLM(a.model, **_engine_kwargs(a))
     tok = llm.tokenizer
     if tok is not None:
-        texts = load_spec_bench_prompts(Path(a.dataset) if a.dataset else None, max(batch_sizes))
+        texts = load_prompts(a, tok, max(batch_sizes))
         prompts = [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in texts]
     else:  # dummy shape without a tokenizer: fixed-length random prompts
         g = torch.Generator().manual_seed(0)
@@ -90,11 +100,13 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     ours: dict[int, float] = {}
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-    for b in batch_sizes:
-        batch = prompts[:b]
-        rate = _median_rate(lambda: sum(len(o.token_ids) for o in llm.generate(batch, params, use_tqdm=False)), a.repeats, a.device)
-        ours[b] = rate
-        print(f"specserve     batch={b:3d} {rate:8.1f} tok/s", file=sys.stderr)
+    with progress(len(batch_sizes) * a.repeats, "specserve runs") as bar:
+        for b in batch_sizes:
+            batch = prompts[:b]
+            rate = _median_rate(lambda: sum(len(o.token_ids) for o in llm.generate(batch, params, use_tqdm=False)),
+                                a.repeats, a.device, bar)
+            ours[b] = rate
+            bar.write(f"specserve     batch={b:3d} {rate:8.1f} tok/s", file=sys.stderr)
 
     theirs: dict[int, float] = {}
     if not a.no_transformers:
@@ -120,12 +132,35 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     for r in rows:
         ratio = f"{r['ratio_vs_transformers']:.2f}x" if "ratio_vs_transformers" in r else ""
         print(f"{r['engine']:<14}{r['batch_size']:>6}{r['tokens_per_s']:>10.1f}{ratio:>17}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "read_bandwidth_gbs": round(bw, 2),
-                                            "weight_bytes": weight_bytes, "threads": torch.get_num_threads(),
-                                            "max_tokens": a.max_tokens, "model": a.model, "device": a.device,
-                                            "dtype": a.dtype}, indent=2))
+    report = BenchReport(
+        f"specserve bench throughput: {a.model}, {a.max_tokens} new tokens, {a.device} {a.dtype}",
+        tuple(rows), THROUGHPUT_COLUMNS,
+        fields={"read_bandwidth_gbs": round(bw, 2), "weight_bytes": weight_bytes, "threads": torch.get_num_threads(),
+                "max_tokens": a.max_tokens, "model": a.model, "device": a.device, "dtype": a.dtype,
+                "dataset": a.dataset or "spec-bench"})
+    write_throughput_outputs(report, paths, batch_sizes, ours, theirs)
     return rows
+
+
+def write_throughput_outputs(report: BenchReport, paths: ReportPaths, batch_sizes: list[int],
+                             ours: dict[int, float], theirs: dict[int, float]) -> None:
+    """--json, --plot (tokens/s per batch size, both engines) and --report."""
+    if paths.json is not None:
+        report.write_json(paths.json)
+    if paths.plot is not None:
+        from specserve.bench.plots import plot_grouped_bars
+
+        series: dict[str, list[float | None]] = {"specserve": [ours[b] for b in batch_sizes]}
+        if theirs:
+            series["transformers"] = [theirs.get(b) for b in batch_sizes]
+        plot_grouped_bars(paths.plot, [str(b) for b in batch_sizes], series, "output tokens/s", report.title,
+                          xlabel="batch size")
+    if paths.report is not None:
+        fields = report.fields
+        note = (f"Weights read per decode step {int(fields['weight_bytes']) / 1e6:.0f} MB; measured read "
+                f"bandwidth {fields['read_bandwidth_gbs']} GB/s. Median of the timed runs after a warm-up; "
+                f"{fields['threads']} threads.")
+        report.write_markdown(paths.report, [("Notes", note)], paths.plot)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -162,20 +197,21 @@ def _transformers_rates(
             hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
     pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
     rates: dict[int, float] = {}
-    for b in batch_sizes:
-        batch = prompts[:b]
-        ids = [p if isinstance(p, list) else p for p in batch]
-        width = max(len(p) for p in ids)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids], device=a.device)
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=a.device)
+    with progress(len(batch_sizes) * a.repeats, "transformers runs") as bar:
+        for b in batch_sizes:
+            batch = prompts[:b]
+            ids = [p if isinstance(p, list) else p for p in batch]
+            width = max(len(p) for p in ids)
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids], device=a.device)
+            attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=a.device)
 
-        def run() -> int:
-            with torch.inference_mode():
-                out = hf.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=a.max_tokens,
-                                  min_new_tokens=a.max_tokens, do_sample=False, pad_token_id=pad)
-            return (out.shape[1] - width) * b
+            def run() -> int:
+                with torch.inference_mode():
+                    out = hf.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=a.max_tokens,
+                                      min_new_tokens=a.max_tokens, do_sample=False, pad_token_id=pad)
+                return (out.shape[1] - width) * b
 
-        run() if b == batch_sizes[0] else None  # warm-up
-        rates[b] = _median_rate(run, a.repeats, a.device)
-        print(f"transformers  batch={b:3d} {rates[b]:8.1f} tok/s", file=sys.stderr)
+            run() if b == batch_sizes[0] else None  # warm-up
+            rates[b] = _median_rate(run, a.repeats, a.device, bar)
+            bar.write(f"transformers  batch={b:3d} {rates[b]:8.1f} tok/s", file=sys.stderr)
     return rates

@@ -1,0 +1,155 @@
+"""Request-rate sweeps: every rate against every server configuration.
+
+A configuration is `NAME:SERVE_ARGS` (e.g. `suffix:--spec suffix`), started as a `specserve serve`
+subprocess on a free port. By default each (configuration, rate) point gets a fresh server, so
+every point starts with cold caches: the same prompts are sent at every rate, and a warm prefix
+cache or suffix-drafter cache from the previous rate would otherwise make later rates look better
+(`reuse_server` keeps one server per configuration, as a faster but biased option). Against a
+server given by URL there is one configuration, named `server`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shlex
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.bench.datasets import Sample, TokenCounter
+from specserve.bench.launcher import LaunchedServer, ServeCommand, check_serve_args
+from specserve.bench.serve import LoadConfig, LoadGenerator, LoadRun
+
+_NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+EXTERNAL = "server"
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """`0.5,1,inf` -> (0.5, 1.0, inf); every rate > 0."""
+    rates = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(f"request_rates: {part!r} is not a number (or inf)") from None
+        if not rate > 0:
+            raise ValueError(f"request_rates: every rate must be > 0 (or inf), got {part!r}")
+        rates.append(rate)
+    if not rates:
+        raise ValueError("request_rates: give at least one rate")
+    return tuple(rates)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A named server configuration: the `specserve serve` arguments it adds to the shared ones."""
+
+    name: str
+    serve_args: tuple[str, ...]
+
+    @staticmethod
+    def parse(text: str, shared_args: Sequence[str] = ()) -> ServerConfig:
+        name, sep, args = text.partition(":")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"configs: {text!r} is not NAME:SERVE_ARGS (e.g. 'ngram:--spec ngram')")
+        if not _NAME.match(name):
+            raise ValueError(f"configs: name {name!r} may only use letters, digits and _ . + -")
+        serve_args = (*shared_args, *shlex.split(args))
+        check_serve_args(serve_args, f"configs[{name}]")
+        return ServerConfig(name, serve_args)
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What to run: the rates, and either server configurations to launch or one server's URL."""
+
+    rates: tuple[float, ...]
+    configs: tuple[ServerConfig, ...] = ()
+    base_url: str | None = None
+    reuse_server: bool = False
+    startup_timeout_s: float = 600.0
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            raise ValueError("request_rates: give at least one rate")
+        if bool(self.configs) == bool(self.base_url):
+            raise ValueError("base_url: give exactly one of --base-url or server configurations to launch")
+        names = [c.name for c in self.configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"configs: names must be unique, got {', '.join(names)}")
+
+    @property
+    def config_names(self) -> list[str]:
+        return [c.name for c in self.configs] or [EXTERNAL]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One (configuration, rate) measurement."""
+
+    config: str
+    rate: float
+    run: LoadRun
+    server_command: str | None
+
+    def row(self, load: LoadConfig, num_prompts: int) -> dict[str, object]:
+        return {"config": self.config, "request_rate": self.rate, "burstiness": load.arrivals.burstiness,
+                "max_concurrency": load.max_concurrency, "num_prompts": num_prompts, **self.run.row(),
+                "server_command": self.server_command}
+
+
+class Sweep:
+    """Runs a plan: for each configuration, each rate, one load run of `samples`."""
+
+    def __init__(self, plan: SweepPlan, load: LoadConfig, samples: Sequence[Sample],
+                 count_tokens: TokenCounter | None = None,
+                 on_point: Callable[[SweepPoint], None] | None = None) -> None:
+        self.plan = plan
+        self.load = load
+        self.samples = list(samples)
+        self._count = count_tokens
+        self._on_point = on_point
+
+    def run(self) -> list[SweepPoint]:
+        if self.plan.log_dir is not None:
+            return list(self._points(self.plan.log_dir))
+        with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
+            return list(self._points(Path(tmp)))
+
+    def _points(self, log_dir: Path) -> Iterator[SweepPoint]:
+        plan = self.plan
+        if plan.base_url is not None:
+            for rate in plan.rates:
+                yield self._measure(EXTERNAL, rate, plan.base_url, None)
+            return
+        for config in plan.configs:
+            command = ServeCommand(config.serve_args)
+            if plan.reuse_server:
+                with LaunchedServer(command, log_dir / f"{config.name}.log", plan.startup_timeout_s) as server:
+                    for rate in plan.rates:
+                        yield self._measure(config.name, rate, server.base_url, server.shown_command)
+                continue
+            for rate in plan.rates:
+                log = log_dir / f"{config.name}-rate{rate_label(rate)}.log"
+                with LaunchedServer(command, log, plan.startup_timeout_s) as server:
+                    yield self._measure(config.name, rate, server.base_url, server.shown_command)
+
+    def _measure(self, config: str, rate: float, base_url: str, command: str | None) -> SweepPoint:
+        load = dataclasses.replace(
+            self.load, base_url=base_url, arrivals=dataclasses.replace(self.load.arrivals, rate=rate),
+            label=f"{config} @ {rate_label(rate)} req/s")
+        point = SweepPoint(config, rate, LoadGenerator(load, self._count).run(self.samples), command)
+        if self._on_point is not None:
+            self._on_point(point)
+        return point
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
