@@ -199,8 +199,7 @@ def _transformers_rates(
     rates: dict[int, float] = {}
     with progress(len(batch_sizes) * a.repeats, "transformers runs") as bar:
         for b in batch_sizes:
-            batch = prompts[:b]
-            ids = [p if isinstance(p, list) else p for p in batch]
+            ids = prompts[:b]  # token id lists (chat template applied)
             width = max(len(p) for p in ids)
             input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids], device=a.device)
             attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=a.device)
@@ -211,7 +210,8 @@ def _transformers_rates(
                                       min_new_tokens=a.max_tokens, do_sample=False, pad_token_id=pad)
                 return (out.shape[1] - width) * b
 
-            run() if b == batch_sizes[0] else None  # warm-up
+            if b == batch_sizes[0]:
+                run()  # warm-up
             rates[b] = _median_rate(run, a.repeats, a.device, bar)
             bar.write(f"transformers  batch={b:3d} {rates[b]:8.1f} tok/s", file=sys.stderr)
     return rates
