@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +254,3 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     seed: int = 0
-
-    def with_(self, **kw: Any) -> "EngineConfig":
-        return replace(self, **kw)

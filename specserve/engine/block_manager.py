@@ -145,11 +145,3 @@ class BlockManager:
             self._tokens[block] = None
         self._ref[block] = 1
         return block
-
-    def reset_prefix_cache(self) -> None:
-        for b in list(self._free):
-            h = self._hash[b]
-            if h is not None and self._cached.get(h) == b:
-                del self._cached[h]
-            self._hash[b] = None
-            self._tokens[b] = None

@@ -163,33 +163,35 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
-        drafts = self._propose(batch.scheduled)
+        views, drafts = self._propose(batch.scheduled)
         logits, rows = self.runner.execute(batch.scheduled, drafts)
         verdicts = self._accept(batch.scheduled, drafts, logits, rows)
         outputs = []
         for i, item in enumerate(batch.scheduled):
-            self._commit(item, drafts.get(i), verdicts.get(i), logits, rows[i])
+            self._commit(item, views.get(i), drafts.get(i), verdicts.get(i), logits, rows[i])
             if i in verdicts:
                 outputs.append(self._emit(self._requests[item.seq.request_id], verdicts[i]))
             if not item.seq.is_finished:
                 self.blocks.register_full_blocks(item.seq)
         return outputs
 
-    def _propose(self, batch: tuple[ScheduledSeq, ...]) -> dict[int, DraftTree]:
+    def _propose(self, batch: tuple[ScheduledSeq, ...]) -> tuple[dict[int, RequestView], dict[int, DraftTree]]:
+        """Draft trees for the batch items granted a budget, and the views the drafter saw."""
         if self.drafter is None:
-            return {}
-        wanted = [(i, item) for i, item in enumerate(batch) if item.spec_budget > 0]
-        if not wanted:
-            return {}
+            return {}, {}
+        views = {i: _view(item.seq) for i, item in enumerate(batch) if item.spec_budget > 0}
+        if not views:
+            return {}, {}
         requests = [
             DraftRequest(
-                _view(item.seq), item.spec_budget, tuple(item.seq.block_table),
-                item.seq.num_computed_tokens, item.seq.generator,
+                views[i], batch[i].spec_budget, tuple(batch[i].seq.block_table),
+                batch[i].seq.num_computed_tokens, batch[i].seq.generator,
             )
-            for _, item in wanted
+            for i in views
         ]
         trees = self.drafter.propose(requests)
-        return {i: tree.truncated(item.spec_budget) for (i, item), tree in zip(wanted, trees) if len(tree) > 0}
+        drafts = {i: tree.truncated(batch[i].spec_budget) for i, tree in zip(views, trees) if len(tree) > 0}
+        return views, drafts
 
     def _accept(
         self,
@@ -214,6 +216,7 @@ class LLMEngine:
     def _commit(
         self,
         item: ScheduledSeq,
+        view: RequestView | None,
         tree: DraftTree | None,
         verdict: Verdict | None,
         logits: torch.Tensor,
@@ -230,12 +233,12 @@ class LLMEngine:
             seq.num_computed_tokens += 1 + len(verdict.accepted)
             seq.spec.record(len(tree), len(verdict.accepted))
             self.spec_totals.record(len(tree), len(verdict.accepted))
-            if self.drafter is not None and rows is not None:
+            if self.drafter is not None and rows is not None and view is not None:
                 top = None
                 if self.drafter.target_topk > 0:
                     r0, n = rows
                     top = logits[r0 : r0 + n].topk(self.drafter.target_topk, dim=-1).indices.cpu()
-                self.drafter.observe(_view(seq), tree, top)
+                self.drafter.observe(view, tree, top)
         if item.spec_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
             self.blocks.trim(seq, seq.num_tokens + (len(verdict.tokens) if verdict else 0))
 

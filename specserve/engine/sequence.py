@@ -57,10 +57,6 @@ class SpecCounters:
         """Tokens emitted per verification step: accepted drafts plus the target's own token."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
 
 @dataclass(eq=False)
 class Sequence:
