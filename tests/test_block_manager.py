@@ -96,3 +96,26 @@ def test_double_free_is_detected() -> None:
     a.block_table = table
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+def test_drafts_never_preempt_another_request() -> None:
+    """Draft slots come only from blocks left after every running request has its own: a request
+    whose next token needs a new block is not preempted because an earlier one asked for drafts."""
+    from specserve.config import SchedulerConfig
+    from specserve.engine.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, spec_budget=lambda s: 8)
+    a, b = seq([1, 2, 3], "a"), seq([5, 6, 7, 8], "b")
+    for s in (a, b):
+        sched.add(s)
+    sched.schedule()  # prefill both: a holds 1 block, b holds 1 block
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        s.output_token_ids.append(9)  # each now decodes its sampled token
+    out = sched.schedule()
+    assert out.preempted == () and len(out.scheduled) == 2
+    # b's next token takes a second block first; a's drafts get the one block left (4 slots) and
+    # b's drafts the rest of its own new block (3 slots): grants shrink to fit, nobody is evicted.
+    assert [i.spec_budget for i in out.scheduled] == [4, 3]
+    assert bm.num_free_blocks == 0

@@ -38,10 +38,6 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[Sequence, ...]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.spec_budget for s in self.scheduled)
-
 
 def no_speculation(seq: Sequence) -> int:
     return 0
@@ -82,11 +78,6 @@ class Scheduler:
             n = self._chunk(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 break
-            spec = 0
-            if n == 1 and seq.output_token_ids:  # decoding: room for a draft tree?
-                spec = min(self.spec_budget(seq), budget - 1)
-                if spec > 0 and not self.blocks.allocate(seq, seq.num_computed_tokens + 1 + spec):
-                    spec = 0
             while not self.blocks.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -95,9 +86,11 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # preempted itself: nothing after it is running either
-            scheduled.append(ScheduledSeq(seq, n, spec))
-            budget -= n + spec
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
             i += 1
+        # Drafts only from what is left once every running request has its own tokens and blocks.
+        scheduled, budget = self._grant_drafts(scheduled, budget)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
@@ -118,6 +111,22 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _grant_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], int]:
+        """Give decoding requests draft slots from the token budget and free blocks left over."""
+        out: list[ScheduledSeq] = []
+        for item in scheduled:
+            seq = item.seq
+            spec = 0
+            if item.num_new_tokens == 1 and seq.output_token_ids and budget > 0:
+                room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
+                spec = max(0, min(self.spec_budget(seq), budget, room - seq.num_computed_tokens - 1))
+                if spec > 0:
+                    allocated = self.blocks.allocate(seq, seq.num_computed_tokens + 1 + spec)
+                    assert allocated
+            out.append(ScheduledSeq(seq, item.num_new_tokens, spec) if spec else item)
+            budget -= spec
+        return out, budget
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """How many of `remaining` tokens to compute within `budget`."""
