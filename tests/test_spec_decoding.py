@@ -328,3 +328,20 @@ def test_bundled_model_greedy_equivalence_every_drafter(
         if "num_kv_blocks" in opts:
             assert engine.stats().num_preemptions > 0
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(method="nope"), "spec"),
+        (dict(method="ngram", num_tokens=-1), "spec_tokens"),
+        (dict(method="suffix", width=2), "spec_width"),
+        (dict(method="draft-model"), "draft_model"),
+        (dict(method="layer-skip", draft_layers=0), "draft_layers"),
+    ],
+)
+def test_bad_spec_options_name_the_field(kwargs: dict, field: str) -> None:
+    from specserve.spec.config import SpecConfig
+
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SpecConfig(**kwargs)

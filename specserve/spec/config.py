@@ -14,8 +14,8 @@ class SpecConfig:
     method: none | ngram | suffix | recycling | draft-model | layer-skip, or several joined by
         "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first
     num_tokens: draft tokens (tree nodes) each decoding request may get per step (K); 0 = plain decoding
-    width: tree width where the drafter has one (ngram: distinct continuations; draft-model:
-        candidates at the root)
+    width: tree width for `ngram` (up to this many distinct continuations as branches); the
+        other drafters choose their own tree shapes (recycling, suffix) or draft chains (models)
     draft_model: model for `draft-model` (alias, .gguf or HF directory); must share the tokenizer
     draft_layers: how many of the target's first layers `layer-skip` drafts with (None: the
         measured default for the model, else half the layers)
@@ -41,6 +41,8 @@ class SpecConfig:
             raise ValueError("draft_model: --spec draft-model needs --draft-model PATH")
         if not 0.0 <= self.draft_stop_below < 1.0:
             raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
+        if self.width > 1 and "ngram" not in self.methods:
+            raise ValueError(f"spec_width: only the ngram drafter takes a width, got {self.width} for {self.method!r}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers: must be >= 1, got {self.draft_layers}")
 

@@ -65,7 +65,9 @@ def _draft_model(spec: SpecConfig, engine: "LLMEngine", gen: torch.Generator) ->
 
     assert spec.draft_model is not None
     cfg = engine.config
-    model, tokenizer, _ = build_model(spec.draft_model, "auto", cfg.device, cfg.dtype, None, cfg.seed)
+    # The draft sees the same positions as the target: its RoPE table must cover the target's context
+    # (build_model names max_model_len if the draft model cannot).
+    model, tokenizer, _ = build_model(spec.draft_model, "auto", cfg.device, cfg.dtype, cfg.max_model_len, cfg.seed)
     check_same_tokenizer(engine.tokenizer, tokenizer)
     if model.config.vocab_size != engine.model.config.vocab_size:
         raise ValueError(
