@@ -33,6 +33,7 @@ from specserve.bench.report import (
     markdown_table,
     progress,
 )
+from specserve.bench.throughput import _sync
 
 SPEC_COLUMNS = (
     Column("method", "method"),
@@ -75,9 +76,13 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
                                           draft_stop_below=a.draft_stop_below)
     names = a.methods.split(",") if a.methods else list(all_methods)
+    unknown = [n for n in names if n not in all_methods]
+    if unknown:
+        hint = " (draft-model needs --draft-model PATH)" if "draft-model" in unknown else ""
+        raise ValueError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(all_methods)}{hint}")
     if "none" not in names:
         names = ["none"] + names
-    return [(n, all_methods[n]) for n in names if n in all_methods]
+    return [(n, all_methods[n]) for n in names]
 
 
 def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -208,7 +213,8 @@ def measure_verify_cost(llm: Any, prompt: list[int], max_k: int = 16, repeats: i
     rid = engine.add_request(prompt, __import__("specserve").SamplingParams(max_tokens=2, temperature=0))
     engine.step()  # prefill: the request now has K/V for its prompt
     seq = next(s for s in engine.scheduler.running if s.request_id == rid)
-    assert engine.blocks.allocate(seq, seq.num_tokens + max_k)
+    if not engine.blocks.allocate(seq, seq.num_tokens + max_k):
+        raise RuntimeError(f"kv cache: no room for {max_k} draft slots to measure the verification cost")
     out: list[dict[str, float]] = []
     base = None
     for k in range(max_k + 1):
@@ -235,17 +241,20 @@ def _transformers(
     from specserve.config import parse_dtype
     from specserve.model.loader import model_dir_for
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir_for(a.model)), dtype=parse_dtype(a.dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir_for(a.model)), dtype=parse_dtype(a.dtype))
+    hf = hf.to(a.device).eval()
     out: dict[str, dict[str, tuple[int, float, int, int]]] = {}
     baselines = (("transformers", {}), ("transformers-prompt-lookup", {"prompt_lookup_num_tokens": 10}))
     with progress(len(baselines) * len(prompts), "transformers generations") as bar:
         for name, extra in baselines:
             stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
             for (cat, _), prompt in zip(questions, prompts):
-                ids = torch.tensor([prompt])
+                ids = torch.tensor([prompt], device=a.device)
+                _sync(a.device)
                 t = time.perf_counter()
                 with torch.inference_mode():
                     gen = hf.generate(ids, max_new_tokens=a.max_tokens, do_sample=False, **extra)
+                _sync(a.device)
                 dt = time.perf_counter() - t
                 for key in (cat, "overall"):
                     stats[key][0] += gen.shape[1] - ids.shape[1]
