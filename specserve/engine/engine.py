@@ -253,23 +253,31 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, exactly as a text prompt is tokenized for generation."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids instead")
+        return list(self.tokenizer(text).input_ids)
+
+    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
+        """Raise InvalidRequestError naming `field` unless every id is in the vocabulary."""
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
+
     # -- internals -------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
-            if self.tokenizer is None:
-                raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids instead")
-            ids = list(self.tokenizer(prompt).input_ids)
+            ids = self.tokenize(prompt)
             if not ids:
                 raise InvalidRequestError("prompt", "tokenizes to zero tokens")
             return prompt, ids
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        self.check_token_ids(ids)
         return None, ids
 
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:

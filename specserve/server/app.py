@@ -92,22 +92,9 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise APIError.from_validation(e) from None
 
 
-def _tokenize_prompt(prompt: str) -> Callable[[LLMEngine], list[int]]:
-    """Token ids of a completion prompt, as the engine makes them (engine thread)."""
-
-    def run(engine: LLMEngine) -> list[int]:
-        if engine.tokenizer is None:
-            raise InvalidRequestError("prompt", "this model has no tokenizer")
-        return list(engine.tokenizer(prompt).input_ids)
-
-    return run
-
-
 def _detokenize(tokens: list[int]) -> Callable[[LLMEngine], str]:
     def run(engine: LLMEngine) -> str:
-        vocab = engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise InvalidRequestError("tokens", f"token ids must be in [0, {vocab})")
+        engine.check_token_ids(tokens, field="tokens")
         if engine.tokenizer is None:
             raise InvalidRequestError("tokens", "this model has no tokenizer")
         try:
@@ -203,7 +190,8 @@ def create_app(llm: LLM, *, served_model_name: str, max_waiting: int, max_body_b
         if body.messages is not None:
             fn: Callable[[LLMEngine], list[int]] = ChatPrompt([m.to_template(i) for i, m in enumerate(body.messages)])
         else:
-            fn = _tokenize_prompt(body.prompt or "")
+            text = body.prompt or ""
+            fn = lambda engine: engine.tokenize(text)  # noqa: E731
         tokens = await on_engine(fn)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
 
