@@ -7,10 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.bench.throughput import load_spec_bench_prompts
 
 from conftest import random_prompts
 
@@ -76,11 +74,3 @@ def test_gguf_is_converted_once_and_reused(bundled_model_dir: Path) -> None:
     assert convert_gguf(find_bundled_gguf("smollm2-135m")) == bundled_model_dir
     assert (bundled_model_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
     assert (bundled_model_dir / "tokenizer.json").is_file()
-
-
-def test_spec_bench_prompts_load() -> None:
-    path = REPO.parent / "shared" / "data" / "spec_bench_question.jsonl"
-    if not path.is_file():
-        pytest.skip("shared data not present")
-    prompts = load_spec_bench_prompts(path, 5)
-    assert len(prompts) == 5 and all(isinstance(p, str) and p for p in prompts)

@@ -39,8 +39,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
         if not rate > 0:
             raise ValueError(f"request_rates: every rate must be > 0 (or inf), got {part!r}")
         rates.append(rate)
-    if not rates:
-        raise ValueError("request_rates: give at least one rate")
     return tuple(rates)
 
 

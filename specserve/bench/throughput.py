@@ -12,7 +12,6 @@ from typing import Any, Callable
 import torch
 
 from specserve.bench.datasets import (
-    SPEC_BENCH_FILES,
     SampleSpec,
     SpecBench,
     cycle_to,
@@ -20,9 +19,6 @@ from specserve.bench.datasets import (
     open_dataset,
 )
 from specserve.bench.report import BenchReport, Column, ReportPaths, progress
-
-# Kept for callers that import them from here; the loaders live in specserve.bench.datasets.
-DEFAULT_DATASETS = SPEC_BENCH_FILES
 
 THROUGHPUT_COLUMNS = (
     Column("engine", "engine"),

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from specserve.engine.engine import EngineStats, LLMEngine
 from specserve.engine.sequence import SpecCounters
@@ -72,10 +72,6 @@ class RequestStream:
         self._owner = owner
         self._queue = queue
         self._unfinished = set(request_ids)
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -200,15 +196,6 @@ class AsyncEngine:
                 self._routes.pop(rid, None)
             raise
         return RequestStream(self, ids, queue)
-
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        """One request's outputs as they come; aborts it if the consumer stops early."""
-        stream = await self.submit([EngineRequest(request_id, prompt, params)])
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop delivering outputs for these requests and abort them in the engine."""
