@@ -38,12 +38,21 @@ def test_generate_streams_text(tiny_llama: Path) -> None:
 
 
 def test_chat_repl_keeps_history(tiny_llama: Path) -> None:
-    res = run_cli("chat", "--model", str(tiny_llama), "--max-tokens", "5", stdin="hi\nagain\n/reset\nhi\n/exit\n")
+    """Each reply is generated from the whole conversation so far, and /reset forgets it: the
+    second turn's reply equals what the model says to the full two-turn chat, not to the lone
+    message, and after /reset the first message gets its first reply again."""
+    opts = ("--model", str(tiny_llama), "--max-tokens", "6", "--stop", "\n")  # one line per reply
+    res = run_cli("chat", *opts, stdin="hi\nagain\n/reset\nhi\n/exit\n")
     assert res.returncode == 0, res.stderr
-    replies = res.stdout.splitlines()
-    assert len(replies) >= 3
-    # After /reset the same first message gets the same (greedy) reply as at the start.
-    assert res.stdout.split("\n")[0] == res.stdout.split("\n")[2]
+    replies = res.stdout.split("\n")
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(max_tokens=6, temperature=0, stop=["\n"])
+    first = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0].text
+    with_history = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
+                             {"role": "user", "content": "again"}], params, use_tqdm=False)[0].text
+    alone = llm.chat([{"role": "user", "content": "again"}], params, use_tqdm=False)[0].text
+    assert replies[:3] == [first, with_history, first]
+    assert with_history != alone, "pick other messages: these two contexts give the same reply"
 
 
 def test_cli_errors_name_the_field(tiny_llama: Path) -> None:
