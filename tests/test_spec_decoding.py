@@ -235,15 +235,23 @@ def test_budget_zero_is_plain_decoding(tiny_llama: Path, plain_outputs: list[lis
 
 
 def test_mixed_batch_some_speculate_some_do_not(tiny_llama: Path) -> None:
-    """Requests with one token left (no room to draft) and greedy/sampled requests share steps with
-    speculating ones; each gets exactly its plain output."""
-    prompts = random_prompts(6, seed=25)
+    """Requests with one token left (no room to draft), greedy and seeded sampled requests share
+    steps with speculating ones: each greedy request gets exactly its plain output, and each
+    seeded sampled request exactly what it draws when it runs alone with the same drafter."""
+    prompts = random_prompts(8, seed=25)
     params = [SamplingParams(max_tokens=1 if i % 3 == 0 else 20, temperature=0, ignore_eos=True) for i in range(6)]
-    plain = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama)))
-    spec = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert all(o.metrics.spec.steps == 0 for o, p in zip(spec, params) if p.max_tokens == 1)
+    params += [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=40 + i, ignore_eos=True)
+               for i in range(2)]
+    spec = dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama))
+    plain = LLM(str(tiny_llama)).generate(prompts[:6], params[:6], use_tqdm=False)
+    llm = LLM(str(tiny_llama), speculative=spec)
+    mixed = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in mixed[:6]] == [o.token_ids for o in plain]
+    assert all(o.metrics.spec.steps == 0 for o, p in zip(mixed, params) if p.max_tokens == 1)
+    for i in (6, 7):
+        alone = LLM(str(tiny_llama), speculative=spec).generate(prompts[i], params[i], use_tqdm=False)[0]
+        assert mixed[i].token_ids == alone.token_ids
+        assert mixed[i].metrics.spec.steps > 0
 
 
 def test_no_blocks_leak_after_aborts_with_speculation(tiny_llama: Path, draft_dir: Path) -> None:

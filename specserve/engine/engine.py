@@ -74,10 +74,8 @@ class LLMEngine:
         model: LlamaForCausalLM,
         tokenizer: Any | None,
         spec: SpecConfig | None = None,
-        default_draft_layers: int | None = None,
     ) -> None:
         self.config = config
-        self.default_draft_layers = default_draft_layers
         self.spec_config = spec or SpecConfig()
         self.model = model
         self.tokenizer = tokenizer

@@ -15,7 +15,7 @@ from specserve.model.loader import DEFAULT_MODEL, load_model_files
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.spec.config import SpecConfig
-from specserve.spec.factory import DEFAULT_DRAFT_LAYERS
+from specserve.spec.factory import with_model_defaults
 from specserve.tokenizer import apply_chat_template, load_tokenizer
 
 
@@ -120,7 +120,7 @@ class LLM:
             dtype=torch_dtype,
             seed=seed,
         )
-        self.engine = LLMEngine(config, net, tokenizer, spec, default_draft_layers=DEFAULT_DRAFT_LAYERS.get(model))
+        self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(spec, model))
 
     @property
     def tokenizer(self) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,8 +13,16 @@ from specserve.spec.drafter import Drafter
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
-# Layers the layer-skip drafter uses when none is given, chosen by measurement (BENCHMARKS.md).
+# Layers the layer-skip drafter uses for a known model when none is given, chosen by measurement
+# (BENCHMARKS.md); `with_model_defaults` fills them in.
 DEFAULT_DRAFT_LAYERS = {"smollm2-135m": 24}
+
+
+def with_model_defaults(spec: SpecConfig, model: str) -> SpecConfig:
+    """`spec` with the measured per-model defaults filled in where the user gave none."""
+    if "layer-skip" in spec.methods and spec.draft_layers is None and model in DEFAULT_DRAFT_LAYERS:
+        return replace(spec, draft_layers=DEFAULT_DRAFT_LAYERS[model])
+    return spec
 
 
 def default_draft_layers(num_layers: int) -> int:
@@ -48,7 +57,7 @@ def _build_one(method: str, spec: SpecConfig, engine: "LLMEngine") -> Drafter:
         from specserve.spec.drafters.model_based import LayerSkipDrafter
 
         total = engine.model.config.num_layers
-        layers = spec.draft_layers or engine.default_draft_layers or default_draft_layers(total)
+        layers = spec.draft_layers or default_draft_layers(total)
         if not 1 <= layers < total:
             raise ValueError(f"draft_layers: must be between 1 and {total - 1} for this model, got {layers}")
         return LayerSkipDrafter(engine.runner, gen, layers, spec.draft_stop_below)
