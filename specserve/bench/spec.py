@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from specserve.bench.report import (
     progress,
 )
 from specserve.bench.throughput import _sync
+from specserve.engine.sequence import SpecCounters
 
 SPEC_COLUMNS = (
     Column("method", "method"),
@@ -98,7 +100,7 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     base_kwargs = _engine_kwargs(a)
     base_kwargs.pop("speculative", None)
     rows: list[dict[str, Any]] = []
-    per_method: dict[str, dict[str, tuple[int, float, int, int]]] = {}
+    per_method: dict[str, dict[str, Tally]] = {}
     questions: list[tuple[str, str]] = []
     prompts: list[list[int]] | None = None
     verify_cost: list[dict[str, float]] = []
@@ -112,21 +114,17 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
             verify_cost = measure_verify_cost(llm, prompts[0])
             bar = progress(len(methods) * len(prompts), "spec bench generations")
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
-        stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+        stats: dict[str, Tally] = defaultdict(Tally)
         for (cat, _), prompt in zip(questions, prompts):
             t = time.perf_counter()
             out = llm.generate(prompt, params, use_tqdm=False)[0]
             dt = time.perf_counter() - t
             for key in (cat, "overall"):
-                s = stats[key]
-                s[0] += len(out.token_ids)
-                s[1] += dt
-                s[2] += out.metrics.spec.accepted
-                s[3] += out.metrics.spec.steps
+                stats[key].add(len(out.token_ids), dt, out.metrics.spec)
             bar.update(1)
-        per_method[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
+        per_method[name] = dict(stats)
         o = stats["overall"]
-        bar.write(f"{name:<22} {o[0] / o[1]:7.1f} tok/s  accepted/step {_mal(o):.2f}", file=sys.stderr)
+        bar.write(f"{name:<22} {o.rate:7.1f} tok/s  accepted/step {o.mean_accepted_length:.2f}", file=sys.stderr)
         del llm
     if bar is not None:
         bar.close()
@@ -136,14 +134,12 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         per_method.update(_transformers(a, questions, prompts))
 
     none = per_method["none"]
-    for name, stats in per_method.items():
-        for cat, (tokens, secs, acc, steps) in stats.items():
-            rate = tokens / secs
-            base = none[cat][0] / none[cat][1]
+    for name, by_cat in per_method.items():
+        for cat, tally in by_cat.items():
             rows.append({
-                "method": name, "category": cat, "tokens_per_s": round(rate, 2),
-                "speedup_vs_none": round(rate / base, 3),
-                "mean_accepted_length": round(_mal((tokens, secs, acc, steps)), 3),
+                "method": name, "category": cat, "tokens_per_s": round(tally.rate, 2),
+                "speedup_vs_none": round(tally.rate / none[cat].rate, 3),
+                "mean_accepted_length": round(tally.mean_accepted_length, 3),
             })
     _print_table(rows)
     report = BenchReport(
@@ -198,10 +194,28 @@ def _verify_cost_table(verify_cost: list[dict[str, float]]) -> str:
                                         Column("relative", "relative to k = 0", ".2f")])
 
 
-def _mal(s: tuple[Any, ...] | list[Any]) -> float:
-    """Mean accepted length: tokens per verification step (1.0 for plain decoding)."""
-    acc, steps = s[2], s[3]
-    return (acc + steps) / steps if steps else 1.0
+@dataclass
+class Tally:
+    """Output tokens, wall time and speculation counters summed over a method's generations."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    spec: SpecCounters = field(default_factory=SpecCounters)
+
+    def add(self, tokens: int, seconds: float, spec: SpecCounters | None = None) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        if spec is not None:
+            self.spec.add(spec)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification step; 1.0 for plain decoding (no verification steps)."""
+        return self.spec.mean_accepted_length if self.spec.steps else 1.0
 
 
 def measure_verify_cost(llm: Any, prompt: list[int], max_k: int = 16, repeats: int = 7) -> list[dict[str, float]]:
@@ -243,11 +257,11 @@ def _transformers(
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir_for(a.model)), dtype=parse_dtype(a.dtype))
     hf = hf.to(a.device).eval()
-    out: dict[str, dict[str, tuple[int, float, int, int]]] = {}
+    out: dict[str, dict[str, Tally]] = {}
     baselines = (("transformers", {}), ("transformers-prompt-lookup", {"prompt_lookup_num_tokens": 10}))
     with progress(len(baselines) * len(prompts), "transformers generations") as bar:
         for name, extra in baselines:
-            stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+            stats: dict[str, Tally] = defaultdict(Tally)
             for (cat, _), prompt in zip(questions, prompts):
                 ids = torch.tensor([prompt], device=a.device)
                 _sync(a.device)
@@ -257,12 +271,10 @@ def _transformers(
                 _sync(a.device)
                 dt = time.perf_counter() - t
                 for key in (cat, "overall"):
-                    stats[key][0] += gen.shape[1] - ids.shape[1]
-                    stats[key][1] += dt
+                    stats[key].add(gen.shape[1] - ids.shape[1], dt)
                 bar.update(1)
-            out[name] = {k: tuple(v) for k, v in stats.items()}  # type: ignore[misc]
-            o = stats["overall"]
-            bar.write(f"{name:<22} {o[0] / o[1]:7.1f} tok/s", file=sys.stderr)
+            out[name] = dict(stats)
+            bar.write(f"{name:<22} {stats['overall'].rate:7.1f} tok/s", file=sys.stderr)
     return out
 
 
