@@ -135,6 +135,11 @@ def _new_logprobs(out: RequestOutput) -> list[TokenLogprob]:
     return out.logprobs[len(out.token_ids) - len(out.new_token_ids) :]
 
 
+def chunk_envelope(job: Job, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fields every stream chunk of `job` carries around its choices."""
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices}
+
+
 class Format(Protocol):
     """How one endpoint shapes a request's response or stream chunks (one instance per request)."""
 
@@ -195,8 +200,7 @@ class CompletionFormat:
         return self._envelope(job, [choice])
 
     def _envelope(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
-                "choices": choices}
+        return chunk_envelope(job, self.chunk_object, choices)
 
 
 class ChatFormat:
@@ -241,8 +245,7 @@ class ChatFormat:
         return self._envelope(job, [choice])
 
     def _envelope(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
-                "choices": choices}
+        return chunk_envelope(job, self.chunk_object, choices)
 
 
 class RequestTracker:
@@ -375,8 +378,7 @@ class GenerationRun:
                 if chunk is not None:
                     yield _sse(self._with_usage_field(job, chunk))
             if job.include_usage:
-                yield _sse({"id": job.id, "object": self._fmt.chunk_object, "created": job.created,
-                            "model": job.model, "choices": [], "usage": job.usage(finals)})
+                yield _sse({**chunk_envelope(job, self._fmt.chunk_object, []), "usage": job.usage(finals)})
             yield _sse("[DONE]")
         except EngineError as e:
             status = "error"
