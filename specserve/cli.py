@@ -98,6 +98,8 @@ def _stream(llm: Any, prompt: Any, params: Any, out: Any) -> Any:
             out.write(last.new_text)
             out.flush()
     out.write("\n")
+    if last is not None and last.error is not None:
+        print(f"specserve: error: {last.error}", file=sys.stderr)
     return last
 
 
@@ -113,7 +115,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         rate = last.tokens_per_s
         speed = f", {rate:.1f} tok/s" if rate else ""
         print(f"[{len(last.token_ids)} tokens{speed}, finish_reason={last.finish_reason}]", file=sys.stderr)
-    return 0
+    return 1 if last is not None and last.error is not None else 0
 
 
 def cmd_chat(a: argparse.Namespace) -> int:

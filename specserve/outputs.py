@@ -38,9 +38,10 @@ class RequestOutput:
     new_text: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
+    error: str | None = None  # with finish_reason "error": what went wrong for this request alone
 
     @property
     def tokens_per_s(self) -> float | None:

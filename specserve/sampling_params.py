@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
 from specserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Sampling runs in float32: a nonzero value below its smallest normal number underflows (to a
+# subnormal or to 0), and one above its largest overflows to infinity.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,13 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if not self.temperature >= 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        _check_float32("temperature", self.temperature, "use 0 for greedy decoding")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -61,6 +72,9 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        # Seen tokens' logits are multiplied by the penalty or by its inverse: both must be float32 numbers.
+        _check_float32("repetition_penalty", self.repetition_penalty, "1 disables it")
+        _check_float32("repetition_penalty", 1.0 / self.repetition_penalty, "1 disables it")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
         if not -2 <= self.presence_penalty <= 2:
@@ -84,3 +98,13 @@ class SamplingParams:
     def needs_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
+
+
+def _check_float32(name: str, value: float, hint: str) -> None:
+    """Raise InvalidRequestError unless `value` is 0 or a normal float32 number (sampling runs in
+    float32: 1e-45 would become 0 and 1e39 infinity, and the probabilities NaN)."""
+    if value != 0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+        raise InvalidRequestError(
+            name, f"{value!r} cannot be represented in float32, in which sampling runs "
+            f"(nonzero magnitudes must lie in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}]); {hint}"
+        )

@@ -100,3 +100,85 @@ def test_bad_engine_options_name_the_field(tiny_llama: Path) -> None:
         LLM(str(tiny_llama), dtype="float8")
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(tiny_llama), load_format="onnx")
+
+
+# -- one request's broken numbers end that request alone ------------------------------------------
+
+
+def _broken(params: SamplingParams, **fields: float) -> SamplingParams:
+    """Params whose numbers break down in sampling, past validation (as a bug or a future kernel
+    might make them): the step must isolate them, whatever validation lets through."""
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+VICTIMS = [
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+]
+VICTIM_PROMPTS = [list(b"the cat sat on the mat, the cat sat on the mat"), *random_prompts(2, seed=21)]
+
+
+def _run_together(llm: LLM, attacker: SamplingParams) -> tuple[list, object]:
+    engine = llm.engine
+    ids = [engine.add_request(p, v) for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
+    bad = engine.add_request([5, 6, 7, 8], attacker)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # nothing leaked, the failed one included
+    return [done[i] for i in ids], done[bad]
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"], ids=["plain", "ngram"])
+@pytest.mark.parametrize("fields", [{"repetition_penalty": float("nan")}, {"frequency_penalty": float("nan")},
+                                    {"presence_penalty": float("inf")}],
+                         ids=["nan-repetition", "nan-frequency", "inf-presence"])
+def test_step_isolates_a_request_whose_numbers_break(tiny_llama: Path, spec: str | None, fields: dict) -> None:
+    """A request whose distribution turns into NaN ends alone with finish_reason "error" and a
+    message naming its sampling parameters; the requests batched with it (greedy, seeded sampling,
+    penalties) produce exactly what they produce alone, and every block is freed."""
+    llm = LLM(str(tiny_llama), speculative=spec)
+    alone = [llm.generate(p, v, use_tqdm=False)[0] for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
+    attacker = _broken(SamplingParams(max_tokens=24, temperature=0.7, repetition_penalty=1.1, ignore_eos=True),
+                       **fields)
+    victims, bad = _run_together(llm, attacker)
+    assert [v.token_ids for v in victims] == [a.token_ids for a in alone]
+    assert all(v.finish_reason == "length" and v.error is None for v in victims)
+    assert bad.finish_reason == "error" and bad.error is not None
+    assert "sampling failed" in bad.error and "temperature=" in bad.error
+    if spec is not None:
+        assert llm.engine.spec_totals.steps > 0  # the victims were verified against drafts meanwhile
+
+
+def test_a_failing_drafter_only_costs_its_drafts(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts are optional: when the drafter raises, the step decodes plainly and every request
+    still gets exactly the plain output."""
+    plain = LLM(str(tiny_llama))
+    expected = [plain.generate(p, v, use_tqdm=False)[0].token_ids for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
+    llm = LLM(str(tiny_llama), speculative="ngram")
+    assert llm.engine.drafter is not None
+
+    def explode(self: object, requests: list) -> list:
+        raise RuntimeError("drafter bug")
+
+    monkeypatch.setattr(type(llm.engine.drafter), "propose", explode)
+    outs = llm.generate(VICTIM_PROMPTS, list(VICTIMS), use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.spec_totals.steps == 0
+
+
+@pytest.mark.parametrize(
+    "field,kw",
+    [("temperature", {"temperature": 1e-45}), ("repetition_penalty", {"repetition_penalty": 1e-45}),
+     ("repetition_penalty", {"repetition_penalty": 1e39}), ("temperature", {"temperature": float("inf")}),
+     ("top_p", {"top_p": float("nan")}), ("min_p", {"min_p": float("nan")})],
+)
+def test_numbers_float32_cannot_hold_are_rejected(field: str, kw: dict) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kw)
+    assert err.value.field == field

@@ -9,6 +9,7 @@ the next layer; here every decoding request proposes nothing.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,9 +31,10 @@ from specserve.spec.controller import FixedController
 from specserve.spec.drafter import Drafter, DraftRequest, RequestView
 from specserve.spec.factory import build_drafter
 from specserve.spec.tree import DraftTree
-from specserve.spec.verifier import Verdict
-from specserve.spec.verifier import Verifier
+from specserve.spec.verifier import Verdict, Verifier, failed
 from specserve.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("specserve.engine")
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: schedule, propose, verify (one forward), accept, commit, emit."""
+        """One engine step: schedule, propose, verify (one forward), accept, commit, emit.
+
+        A request whose numbers go wrong (a distribution that is not one) or whose own bookkeeping
+        fails ends alone with finish_reason "error"; the rest of the batch goes on. Only a failure
+        of the shared forward pass raises (and then no request has committed anything).
+        """
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
@@ -166,11 +173,20 @@ class LLMEngine:
         verdicts = self._accept(batch.scheduled, drafts, logits, rows)
         outputs = []
         for i, item in enumerate(batch.scheduled):
-            self._commit(item, views.get(i), drafts.get(i), verdicts.get(i), logits, rows[i])
-            if i in verdicts:
-                outputs.append(self._emit(self._requests[item.seq.request_id], verdicts[i]))
-            if not item.seq.is_finished:
-                self.blocks.register_full_blocks(item.seq)
+            req = self._requests[item.seq.request_id]
+            verdict = verdicts.get(i)
+            if verdict is not None and verdict.error is not None:
+                outputs.append(self._fail(req, verdict.error))
+                continue
+            try:
+                self._commit(item, views.get(i), drafts.get(i), verdict, logits, rows[i])
+                if verdict is not None:
+                    outputs.append(self._emit(req, verdict))
+                if not item.seq.is_finished:
+                    self.blocks.register_full_blocks(item.seq)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                logger.exception("request %s failed in its commit or emit", item.seq.request_id)
+                outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
         return outputs
 
     def _propose(self, batch: tuple[ScheduledSeq, ...]) -> tuple[dict[int, RequestView], dict[int, DraftTree]]:
@@ -187,7 +203,11 @@ class LLMEngine:
             )
             for i in views
         ]
-        trees = self.drafter.propose(requests)
+        try:
+            trees = self.drafter.propose(requests)
+        except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
+            logger.exception("drafter failed; this step runs without drafts")
+            return {}, {}
         drafts = {i: tree.truncated(batch[i].spec_budget) for i, tree in zip(views, trees) if len(tree) > 0}
         return views, drafts
 
@@ -202,14 +222,31 @@ class LLMEngine:
         verdicts: dict[int, Verdict] = {}
         plain = [i for i, r in enumerate(rows) if r is not None and i not in drafts]
         if plain:
-            seqs = [batch[i].seq for i in plain]
-            sampled = self.sampler(logits[[rows[i][0] for i in plain]], seqs)  # type: ignore[index]
-            for i, tok, lp in zip(plain, sampled.token_ids, sampled.logprobs):
-                verdicts[i] = Verdict([], [tok], [lp])
+            plain_logits = logits[[rows[i][0] for i in plain]]  # type: ignore[index]
+            verdicts.update(zip(plain, self._sample(plain_logits, [batch[i].seq for i in plain])))
         for i, tree in drafts.items():
             start, count = rows[i]  # type: ignore[misc]
-            verdicts[i] = self.verifier.verify(batch[i].seq, tree, logits[start : start + count])
+            try:
+                verdicts[i] = self.verifier.verify(batch[i].seq, tree, logits[start : start + count])
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                logger.exception("verification failed for request %s", batch[i].seq.request_id)
+                verdicts[i] = failed(f"internal error: {type(e).__name__}: {e}")
         return verdicts
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
+        """Plain decoding's draw for each row; if the batched draw raises, row by row, so that only
+        the rows that fail alone fail."""
+        try:
+            out = self.sampler(logits, seqs)
+        except Exception as e:  # noqa: BLE001
+            if len(seqs) == 1:
+                logger.exception("sampling failed for request %s", seqs[0].request_id)
+                return [failed(f"internal error: {type(e).__name__}: {e}")]
+            return [v for row, seq in enumerate(seqs) for v in self._sample(logits[row : row + 1], [seq])]
+        return [
+            failed(err) if err is not None else Verdict([], [tok], [lp])
+            for tok, lp, err in zip(out.token_ids, out.logprobs, out.errors)
+        ]
 
     def _commit(
         self,
@@ -236,7 +273,10 @@ class LLMEngine:
                 if self.drafter.target_topk > 0:
                     r0, n = rows
                     top = logits[r0 : r0 + n].topk(self.drafter.target_topk, dim=-1).indices.cpu()
-                self.drafter.observe(view, tree, top)
+                try:
+                    self.drafter.observe(view, tree, top)
+                except Exception:  # noqa: BLE001 - a drafter that cannot learn still drafts
+                    logger.exception("drafter failed to observe a verification")
         if item.spec_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
             self.blocks.trim(seq, seq.num_tokens + (len(verdict.tokens) if verdict else 0))
 
@@ -308,17 +348,23 @@ class LLMEngine:
         req.emitted_text_len = visible
         new_ids = seq.output_token_ids[req.emitted_tokens :]
         req.emitted_tokens = len(seq.output_token_ids)
+        return self._output(req, new_text, new_ids, req.text[:visible])
+
+    @staticmethod
+    def _output(req: _Request, new_text: str, new_ids: list[int], text: str, error: str | None = None) -> RequestOutput:
+        seq = req.seq
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            text=req.text[:visible],
+            text=text,
             token_ids=list(seq.output_token_ids),
             new_text=new_text,
             new_token_ids=new_ids,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            error=error,
             metrics=RequestMetrics(
                 arrival_time=seq.arrival_time,
                 first_token_time=seq.first_token_time,
@@ -328,6 +374,17 @@ class LLMEngine:
                 spec=replace(seq.spec, accepted_per_position=list(seq.spec.accepted_per_position)),
             ),
         )
+
+    def _fail(self, req: _Request, error: str) -> RequestOutput:
+        """End `req` alone with finish_reason "error": its blocks are freed, the batch goes on."""
+        seq = req.seq
+        logger.warning("request %s ended with an error: %s", seq.request_id, error)
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"  # also when the failure came after its last token was emitted
+        self._requests.pop(seq.request_id, None)
+        self._drafter_finish(seq)
+        return self._output(req, new_text="", new_ids=[], text=req.text[: req.emitted_text_len], error=error)
 
     def _drafter_finish(self, seq: Sequence) -> None:
         if self.drafter is not None:

@@ -21,6 +21,31 @@ from specserve.sampling_params import SamplingParams
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    errors: list[str | None]  # per row: why no token could be drawn (the row's token id is then meaningless)
+
+
+def row_errors(processed: torch.Tensor, params: list[SamplingParams]) -> list[str | None]:
+    """Per row of processed logits: None when tokens can be drawn from it, else what went wrong.
+
+    A row is broken when it holds NaN or +inf, or masks every token: it has no distribution to
+    draw from. One batched check and one host sync for the whole batch; the message names the
+    request's own sampling parameters, since those are what a request can change.
+    """
+    bad = torch.isnan(processed).any(-1) | torch.isposinf(processed).any(-1) | torch.isneginf(processed).all(-1)
+    if not bool(bad.any()):
+        return [None] * len(params)
+    return [
+        _describe_failure(p) if b else None for b, p in zip(bad.tolist(), params)
+    ]
+
+
+def _describe_failure(p: SamplingParams) -> str:
+    shown = ", ".join(
+        f"{name}={getattr(p, name)!r}"
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty")
+    )
+    return f"sampling failed: the next-token probabilities are not finite numbers (with {shown})"
 
 
 def apply_penalties(
@@ -42,7 +67,9 @@ def apply_penalties(
         factor = torch.where(logits > 0, 1.0 / rep[:, None], rep[:, None])
         logits = torch.where(seen_all, logits * factor, logits)
     logits = logits - freq[:, None] * out_counts - pres[:, None] * seen.to(logits.dtype)
-    return logits
+    # An extreme penalty may push a logit past the float range: keep it the largest finite value.
+    big = torch.finfo(logits.dtype).max
+    return logits.clamp(-big, big)
 
 
 def _bincount_rows(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -97,21 +124,29 @@ class Sampler:
         filters: what tokens are drawn from. Greedy rows are left unscaled."""
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, prompts, outputs, params)
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
-        logits = logits / temps[:, None]
+        if not all(p.greedy or p.temperature == 1.0 for p in params):
+            # Shift each row's maximum to 0 before dividing: the distribution is the same, and no
+            # temperature, however small, can overflow it (the top token stays 0, the rest go to -inf).
+            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+            logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps[:, None]
         if any(p.needs_filters and not p.greedy for p in params):
             logits = apply_filters(logits, params)
         return logits
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if not seqs:
-            return SamplerOutput([], [])
+            return SamplerOutput([], [], [])
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         )
+        params = [s.params for s in seqs]
         processed = self.processed_logits(
-            logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
+            logits, params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
         )
+        errors = row_errors(processed, params)
+        if any(errors):  # draw the other rows from a harmless stand-in; the broken ones fail
+            ok = torch.tensor([e is None for e in errors], device=processed.device)
+            processed = torch.where(ok[:, None], processed, torch.zeros_like(processed))
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         if bool(greedy.all()):
             tokens = processed.argmax(dim=-1)
@@ -121,7 +156,9 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(greedy, processed.argmax(dim=-1), sampled)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, seqs))
+        if raw_logprobs is not None and any(errors):
+            raw_logprobs = torch.nan_to_num(raw_logprobs)
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, seqs), errors)
 
     def _exponential_noise(self, seqs: list[Sequence], vocab: int) -> torch.Tensor:
         noise = torch.empty(len(seqs), vocab, device=self.device)

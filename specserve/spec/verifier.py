@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.sampler import Sampler, token_logprobs
+from specserve.engine.sampler import Sampler, row_errors, token_logprobs
 from specserve.engine.sequence import Sequence, TokenLogprob
 from specserve.spec.tree import DraftTree
 
@@ -35,6 +35,12 @@ class Verdict:
     accepted: list[int]  # accepted node indices, root to leaf (node at depth d is accepted[d - 1])
     tokens: list[int]  # emitted tokens: the accepted nodes' tokens, then the target's own token
     logprobs: list[TokenLogprob | None]
+    error: str | None = None  # set when the request's distribution broke down: nothing is emitted
+
+
+def failed(error: str) -> Verdict:
+    """The verdict of a request that cannot go on: no tokens, and why."""
+    return Verdict([], [], [], error)
 
 
 class Verifier:
@@ -50,6 +56,9 @@ class Verifier:
         processed = Sampler.processed_logits(
             logits, [params] * (n + 1), [seq.prompt_token_ids] * (n + 1), outputs
         )
+        error = next((e for e in row_errors(processed, [params] * (n + 1)) if e is not None), None)
+        if error is not None:
+            return failed(error)
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
             children.setdefault(p, []).append(i)
