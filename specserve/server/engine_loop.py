@@ -39,6 +39,14 @@ class EngineError(RuntimeError):
     """The engine failed or stopped while a request was in flight."""
 
 
+class ServerShuttingDown(EngineError):
+    """The server is shutting down: a new request is refused, one in flight past the timeout aborted."""
+
+
+class GenerationFailed(EngineError):
+    """This request alone failed in the engine (e.g. its sampling numbers broke down); the others go on."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
@@ -85,6 +93,8 @@ class RequestStream:
             raise item
         if item.finished:
             self._unfinished.discard(item.request_id)
+            if item.error is not None:
+                raise GenerationFailed(item.error)
         return item
 
     def close(self) -> None:
@@ -129,6 +139,7 @@ class AsyncEngine:
         self._inbox: deque[Command] = deque()
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._draining = False  # event-loop side: shutdown has begun, new requests are refused
         self._lock = threading.Lock()  # guards _snapshot and _queued (both threads)
         self._queued = 0
         self._snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.spec_totals), 0)
@@ -156,8 +167,28 @@ class AsyncEngine:
                 self._run_commands(self._engine)
                 self._abort(self._engine, sorted(self._active))
         for queue in set(self._routes.values()):
-            queue.put_nowait(EngineError("the server is shutting down"))
+            queue.put_nowait(ServerShuttingDown("the server is shutting down"))
         self._routes.clear()
+
+    async def drain(self, timeout: float) -> None:
+        """Shutdown, first part: refuse new requests, give those in flight up to `timeout` seconds to
+        finish, then abort the rest; their callers get ServerShuttingDown, so every response ends
+        (a stream with an error event) before the HTTP server stops waiting for them."""
+        self._draining = True
+        loop = self._require_loop()
+        deadline = loop.time() + timeout
+        while self._routes and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._routes:
+            ids = sorted(self._routes)
+            logger.warning("shutdown: aborting %d request(s) still running after %.3g s", len(ids), timeout)
+            self._fail(ids, ServerShuttingDown("the server is shutting down; the request was aborted"))
+            self._send(lambda engine: self._abort(engine, ids))
+            await asyncio.sleep(0)  # let the handlers see their streams end
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     @property
     def alive(self) -> bool:
@@ -172,6 +203,8 @@ class AsyncEngine:
     async def submit(self, requests: Sequence[EngineRequest]) -> RequestStream:
         """Add a group of requests (all or none); raises InvalidRequestError (bad input, from the
         engine's validation), QueueFullError or EngineError. Returns their output stream."""
+        if self._draining:
+            raise ServerShuttingDown("the server is shutting down")
         if not self.alive:
             raise EngineError("the engine is not running")
         ids = [r.request_id for r in requests]
@@ -238,12 +271,12 @@ class AsyncEngine:
                 del self._routes[out.request_id]
             queue.put_nowait(out)
 
-    def _fail(self, request_ids: list[str], message: str) -> None:
-        """On the event loop: end these requests' streams with an error."""
+    def _fail(self, request_ids: list[str], error: EngineError) -> None:
+        """On the event loop: end these requests' streams with `error`."""
         for rid in request_ids:
             queue = self._routes.pop(rid, None)
             if queue is not None:
-                queue.put_nowait(EngineError(message))
+                queue.put_nowait(error)
 
     # -- the engine thread ---------------------------------------------------
     def _run(self) -> None:
@@ -305,7 +338,7 @@ class AsyncEngine:
             logger.exception("engine step failed; aborting %d request(s)", len(self._active))
             failed = sorted(self._active)
             self._abort(engine, failed)
-            self._post(self._fail, failed, "internal engine error; the request was aborted")
+            self._post(self._fail, failed, EngineError("internal engine error; the request was aborted"))
             return
         for out in outputs:
             if out.finished:

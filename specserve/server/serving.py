@@ -19,7 +19,9 @@ from specserve.engine.engine import LLMEngine
 from specserve.engine.sequence import SpecCounters, TokenLogprob
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput
-from specserve.server.engine_loop import AsyncEngine, EngineError, EngineRequest, QueueFullError, RequestStream
+from specserve.server.engine_loop import (
+    AsyncEngine, EngineError, EngineRequest, GenerationFailed, QueueFullError, RequestStream, ServerShuttingDown,
+)
 from specserve.server.errors import APIError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -290,6 +292,15 @@ class RequestTracker:
         )
 
 
+def engine_failure(e: EngineError) -> APIError:
+    """The HTTP error for a request the engine could not finish."""
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, str(e), type="server_error", code="server_shutting_down")
+    if isinstance(e, GenerationFailed):
+        return APIError(500, str(e), type="server_error", code="generation_failed")
+    return APIError(500, str(e), type="server_error", code="engine_error")
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
     return f"data: {data}\n\n"
@@ -332,6 +343,8 @@ class GenerationRun:
             raise APIError.invalid(e, job.rename) from None
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except ServerShuttingDown as e:
+            raise engine_failure(e) from None
         except EngineError as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         tracker = RequestTracker(job, self._ctx.metrics)
@@ -353,8 +366,8 @@ class GenerationRun:
         try:
             done = await _unless_disconnected(request, drain())
         except EngineError as e:
-            tracker.close("error")
-            err = APIError(500, str(e), type="server_error", code="engine_error")
+            tracker.close("abort" if isinstance(e, ServerShuttingDown) else "error")
+            err = engine_failure(e)
             return JSONResponse(err.body(), status_code=err.status)
         finally:
             stream.close()
@@ -381,8 +394,8 @@ class GenerationRun:
                 yield _sse({**chunk_envelope(job, self._fmt.chunk_object, []), "usage": job.usage(finals)})
             yield _sse("[DONE]")
         except EngineError as e:
-            status = "error"
-            yield _sse(APIError(500, str(e), type="server_error", code="engine_error").body())
+            status = "abort" if isinstance(e, ServerShuttingDown) else "error"
+            yield _sse(engine_failure(e).body())
             yield _sse("[DONE]")
         finally:
             stream.close()
