@@ -9,84 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
-from prometheus_client.parser import text_string_to_metric_families
+from openai import AsyncOpenAI
 
 from specserve import LLM, SamplingParams
 from specserve.tokenizer import apply_chat_template
 
 from conftest import random_prompts
+from serverproc import MODEL, Server
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_BODY = 64 * 1024
-MODEL = "tiny"  # --served-model-name
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A `specserve serve` subprocess; its log goes to a file, shown when something fails."""
-
-    def __init__(self, model: Path, log: Path, *extra: str) -> None:
-        self.port = _free_port()
-        self.log_path = log
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(model), "--port", str(self.port),
-               "--served-model-name", MODEL, "--threads", "1", *extra]
-        self._log = open(log, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self.http = httpx.Client(base_url=self.base, timeout=60)
-        self.openai = OpenAI(base_url=f"{self.base}/v1", api_key="x", max_retries=0, timeout=60)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics, keyed like `name{label="v"}`."""
-        text = self.http.get("/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-    def stop(self) -> None:
-        self.http.close()
-        self.openai.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -521,20 +459,24 @@ def test_64_concurrent_streams(server: Server, llm: LLM) -> None:
 
 
 def test_sigterm_shuts_down_cleanly(spec_server: Server) -> None:
-    """SIGTERM with a stream in flight: the stream ends (finished, or aborted after
-    --shutdown-timeout), the engine thread stops, and the process exits 0. (Runs last: it stops
-    the spec server.)"""
+    """SIGTERM with a stream in flight: the stream gets --shutdown-timeout to finish, then ends with
+    an error event (code server_shutting_down) and [DONE], never cut off mid-stream; /health says
+    so meanwhile; the engine thread stops, no traceback is logged, and the process exits 0. (Runs
+    last: it stops the spec server.)"""
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    lines: list[str] = []
     with httpx.Client(base_url=spec_server.base, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as res:
-            lines = res.iter_lines()
-            next(lines)
+            it = res.iter_lines()
+            lines.append(next(it))
             spec_server.proc.send_signal(signal.SIGTERM)
-            try:
-                for _ in lines:
-                    pass
-            except httpx.HTTPError:
-                pass  # cut off after the grace period: also fine
+            time.sleep(0.5)
+            assert spec_server.http.get("/health").status_code == 503
+            lines.extend(it)
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last.get("error", {}).get("code") == "server_shutting_down" or last["choices"][0]["finish_reason"]
     assert spec_server.proc.wait(30) == 0, spec_server.log()
     log = spec_server.log()
     assert "engine stopped" in log and "Traceback" not in log, log

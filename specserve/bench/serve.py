@@ -154,6 +154,7 @@ class LoadConfig:
     slo: SLO = SLO()
     show_progress: bool = True
     label: str = "requests"
+    api_key: str | None = None  # sent as "Authorization: Bearer KEY" (also for /metrics)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -449,7 +450,8 @@ class LoadGenerator:
         n = max(1, len(samples))
         limits = httpx.Limits(max_connections=cfg.max_concurrency or n, max_keepalive_connections=cfg.max_concurrency or n)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
-        async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits) as client:
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, headers=headers) as client:
             model = cfg.model or await discover_model(client)
             send = StreamingCompletion(client, RequestOptions(model, cfg.temperature, cfg.ignore_eos), self._count)
             if cfg.warmup:

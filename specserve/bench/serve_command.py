@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import statistics
 from collections.abc import Sequence
@@ -77,6 +78,8 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a launched server gets to be healthy")
     s.add_argument("--server-log-dir", default=None, help="keep launched servers' logs here (default: a temp dir)")
     s.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics for speculation counters")
+    s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer token for the server (default: $SPECSERVE_API_KEY, else $OPENAI_API_KEY)")
 
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", default="spec-bench",
@@ -196,7 +199,7 @@ def run_serve_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     load = LoadConfig(base_url=a.base_url or "http://127.0.0.1", model=a.model_name, arrivals=arrivals,
                       max_concurrency=a.max_concurrency, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
                       request_timeout_s=a.timeout, scrape_metrics=not a.no_metrics, slo=slo,
-                      show_progress=not a.no_progress)
+                      show_progress=not a.no_progress, api_key=a.api_key)
 
     def show(point: SweepPoint) -> None:
         print(format_summary(point.run, f"{point.config} @ {rate_label(point.rate)} req/s"), flush=True)

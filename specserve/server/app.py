@@ -7,25 +7,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve.engine.engine import LLMEngine
 from specserve.entrypoints.llm import LLM
 from specserve.errors import InvalidRequestError
 from specserve.server.engine_loop import AsyncEngine, EngineError
-from specserve.server.errors import APIError, body_too_large
+from specserve.server.errors import APIError
+from specserve.server.guard import ConnectionGuard, RequestTracking
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.server.middleware import AccessMiddleware, AccessPolicy, BodyLimitMiddleware
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from specserve.server.serving import (
     ChatFormat, ChatPrompt, CompletionFormat, GenerationRun, ServingContext, TokenTexts, chat_job, completion_job,
@@ -37,52 +42,29 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 M = TypeVar("M", bound=BaseModel)
 
 
-class BodyLimitMiddleware:
-    """Rejects a request body over `max_bytes` with 413: at once when Content-Length says so, else
-    as soon as the bytes received pass the limit. The accepted body is replayed to the app."""
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the HTTP layer enforces (the engine's own limits live in the engine config).
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[str], None]) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.on_reject = on_reject
+    max_waiting: requests that may wait for the engine before new ones get 429
+    max_body_bytes: largest request body (413 beyond); body_timeout: seconds to receive it (408)
+    access: Host names, API key, public metrics; allowed_origins: CORS origins (none = no CORS)
+    """
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # nobody to answer
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_bytes:
-                await self._reject(scope, receive, send)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
+    served_model_name: str
+    max_waiting: int = 256
+    max_body_bytes: int = 1 << 20
+    body_timeout: float = 60.0
+    access: AccessPolicy = field(default_factory=AccessPolicy)
+    allowed_origins: tuple[str, ...] = ()
 
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return dict(await receive())  # afterwards: http.disconnect, when it comes
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.on_reject(scope.get("path", ""))
-        err = body_too_large(self.max_bytes)
-        await JSONResponse(err.body(), status_code=err.status, headers={"Connection": "close"})(scope, receive, send)
+    def __post_init__(self) -> None:
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting: must be >= 1, got {self.max_waiting}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout: must be > 0, got {self.body_timeout}")
 
 
 async def _parse(request: Request, model: type[M]) -> M:
@@ -128,7 +110,9 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return answer(request, APIError(e.status_code, str(e.detail), type=kind))
+        response = answer(request, APIError(e.status_code, str(e.detail), type=kind))
+        response.headers.update(e.headers or {})  # e.g. 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
@@ -136,17 +120,52 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return answer(request, APIError(500, "internal server error", type="server_error", code="internal_error"))
 
 
-def create_app(llm: LLM, *, served_model_name: str, max_waiting: int, max_body_bytes: int) -> FastAPI:
+# The request body of each POST endpoint, declared in /openapi.json (the handlers parse bodies
+# themselves, to answer in OpenAI's error format).
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
+}
+
+
+def _body_spec(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Add the request models to the generated schema's components."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            _, defs = models_json_schema([(m, "validation") for m in REQUEST_BODIES.values()],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def create_app(llm: LLM, options: ServerOptions, guard: ConnectionGuard | None = None) -> FastAPI:
     """The ASGI app serving `llm`. The engine thread starts with the app (lifespan) and stops with
-    it, aborting whatever is still in flight."""
-    engine = AsyncEngine(llm.engine, max_waiting)
+    it, aborting whatever is still in flight. `guard`: the server's connection guard, told when
+    each connection's request starts and ends (see specserve.server.guard)."""
+    served_model_name = options.served_model_name
+    engine = AsyncEngine(llm.engine, options.max_waiting)
     started = int(time.time())
     metrics = ServerMetrics(engine.snapshot)
     ctx = ServingContext(engine, metrics, TokenTexts(llm.tokenizer), served_model_name,
-                         llm.engine.config.max_model_len, max_choices=max_waiting)
+                         llm.engine.config.max_model_len, max_choices=options.max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if guard is not None:
+            guard.attach(asyncio.get_running_loop())
         engine.start()
         logger.info("serving %r (context %d tokens)", served_model_name, ctx.max_model_len)
         try:
@@ -159,19 +178,32 @@ def create_app(llm: LLM, *, served_model_name: str, max_waiting: int, max_body_b
     app.state.engine = engine
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
+    _install_openapi(app)
 
     def count_rejected(path: str) -> None:
         if path in GENERATION_PATHS:
             metrics.request_done("error")
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_reject=count_rejected)
+    def count_timeout() -> None:
+        if guard is not None:
+            guard.events.add(f"request bodies not received within {options.body_timeout:g} s (408)")
 
-    @app.post("/v1/completions")
+    # Added innermost first: a request meets tracking, CORS, access checks, then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes, timeout=options.body_timeout,
+                       on_reject=count_rejected, on_timeout=count_timeout)
+    app.add_middleware(AccessMiddleware, policy=options.access)
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    if guard is not None:
+        app.add_middleware(RequestTracking, guard=guard)
+
+    @app.post("/v1/completions", openapi_extra=_body_spec(CompletionRequest))
     async def completions(request: Request) -> Response:
         job = completion_job(await _parse(request, CompletionRequest), ctx)
         return await GenerationRun(ctx, job, CompletionFormat(ctx.texts)).respond(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_spec(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         job = chat_job(await _parse(request, ChatCompletionRequest), ctx)
         return await GenerationRun(ctx, job, ChatFormat(ctx.texts)).respond(request)
@@ -182,7 +214,7 @@ def create_app(llm: LLM, *, served_model_name: str, max_waiting: int, max_body_b
         except EngineError as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
 
-    @app.post("/v1/tokenize")
+    @app.post("/v1/tokenize", openapi_extra=_body_spec(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await _parse(request, TokenizeRequest)
         ctx.check_model(body.model)
@@ -195,7 +227,7 @@ def create_app(llm: LLM, *, served_model_name: str, max_waiting: int, max_body_b
         tokens = await on_engine(fn)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
 
-    @app.post("/v1/detokenize")
+    @app.post("/v1/detokenize", openapi_extra=_body_spec(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await _parse(request, DetokenizeRequest)
         ctx.check_model(body.model)
@@ -209,6 +241,8 @@ def create_app(llm: LLM, *, served_model_name: str, max_waiting: int, max_body_b
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         if not engine.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})

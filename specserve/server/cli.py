@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import signal
 from types import FrameType
 
 from specserve.cli import _add_engine_args, _make_llm
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+API_KEY_ENV = "SPECSERVE_API_KEY"
+
+logger = logging.getLogger("specserve.server")
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,28 +36,68 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    s = p.add_argument_group("security and connection limits")
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV})")
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--allowed-hosts", type=_csv, default=None,
+                   help="comma-separated Host header names answered, '*' for any (default: this machine's "
+                        "names when bound to loopback, else any)")
+    s.add_argument("--allowed-origins", type=_csv, default=(),
+                   help="comma-separated origins allowed by CORS, '*' for any (default: none)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open client connections at most; beyond, the one idle longest is closed, else the new "
+                        "one gets 503 (default: 1024, capped below the open-file limit)")
+    s.add_argument("--header-timeout", type=float, default=20.0,
+                   help="seconds a connection has to send a complete request head (default: 20)")
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request has to send its whole body, else 408 (default: 60)")
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from specserve.server.app import create_app
+    from specserve.server.app import ServerOptions, create_app
+    from specserve.server.guard import ConnectionGuard, ConnectionLimits, GuardedProtocol, fit_to_fd_limit
+    from specserve.server.middleware import AccessPolicy, default_allowed_hosts, is_loopback
+    from specserve.server.runner import DrainingServer
 
-    if a.max_waiting < 1:
-        raise ValueError(f"max_waiting: must be >= 1, got {a.max_waiting}")
-    if a.max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes: must be >= 1, got {a.max_body_bytes}")
+    if a.shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout: must be >= 0, got {a.shutdown_timeout}")
+    options = ServerOptions(
+        served_model_name=a.served_model_name or a.model,
+        max_waiting=a.max_waiting,
+        max_body_bytes=a.max_body_bytes,
+        body_timeout=a.body_timeout,
+        access=AccessPolicy(api_key=a.api_key, metrics_public=a.metrics_public,
+                            allowed_hosts=a.allowed_hosts or default_allowed_hosts(a.host)),
+        allowed_origins=a.allowed_origins,
+    )
+    limits = ConnectionLimits(max_connections=a.max_connections, header_timeout=a.header_timeout,
+                              body_timeout=a.body_timeout)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if options.access.api_key is None and not is_loopback(a.host):
+        logger.warning("serving on %s without an API key: anyone who can reach this address can generate and "
+                       "read /metrics; set --api-key or $%s", a.host, API_KEY_ENV)
+    limits, backlog = fit_to_fd_limit(limits)
+    guard = ConnectionGuard(limits)
     llm = _make_llm(a)
-    app = create_app(llm, served_model_name=a.served_model_name or a.model, max_waiting=a.max_waiting,
-                     max_body_bytes=a.max_body_bytes)
+    app = create_app(llm, options, guard)
+    config = uvicorn.Config(
+        app, host=a.host, port=a.port, log_level=a.log_level,
+        http=functools.partial(GuardedProtocol, guard=guard, inner=AutoHTTPProtocol),  # type: ignore[arg-type]
+        proxy_headers=False,  # the guard matches ASGI "client" to the connection's own peer address
+        backlog=backlog,
+        timeout_graceful_shutdown=5.0,  # a backstop: the engine's drain ends every response before
+    )
+    server = DrainingServer(config, drain=lambda: app.state.engine.drain(a.shutdown_timeout))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: end quietly with 0.
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level,
-                    timeout_graceful_shutdown=a.shutdown_timeout)
+        server.run()
     except (KeyboardInterrupt, _Stopped):
         pass
     finally:
