@@ -43,7 +43,11 @@ class Server:
         self.openai = OpenAI(base_url=f"{self.base}/v1", api_key=api_key, max_retries=0, timeout=60)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        """The end of the log (for failure messages)."""
+        return self.full_log()[-4000:]
+
+    def full_log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

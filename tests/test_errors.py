@@ -182,3 +182,58 @@ def test_numbers_float32_cannot_hold_are_rejected(field: str, kw: dict) -> None:
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kw)
     assert err.value.field == field
+
+
+def test_a_verification_that_breaks_ends_only_that_request(tiny_llama: Path) -> None:
+    """Under speculation, a request whose verification logits turn to NaN (as a numerical fault in
+    the forward would make them) ends alone with an error; its neighbours' outputs are unchanged."""
+    llm = LLM(str(tiny_llama), speculative="ngram")
+    alone = [llm.generate(p, v, use_tqdm=False)[0] for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
+    engine = llm.engine
+    attacker_prompt = list(b"abcabcabcabcabcabcabc")
+    execute = engine.runner.execute
+    broke = []
+
+    def corrupting(batch, drafts=None):
+        logits, rows = execute(batch, drafts)
+        logits = logits.clone()  # an inference tensor: edit a copy
+        for i, item in enumerate(batch):
+            if item.seq.prompt_token_ids == attacker_prompt and drafts and i in drafts:
+                start, count = rows[i]
+                logits[start : start + count] = float("nan")
+                broke.append(i)
+        return logits, rows
+
+    engine.runner.execute = corrupting
+    ids = [engine.add_request(p, v) for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
+    bad_id = engine.add_request(attacker_prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert broke, "the attacker was verified against a draft"
+    assert done[bad_id].finish_reason == "error" and "sampling failed" in done[bad_id].error
+    assert [done[i].token_ids for i in ids] == [a.token_ids for a in alone]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_sampler_that_raises_for_one_row_fails_only_that_row(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If drawing for the batch raises, rows are drawn one by one: only the row that raises alone
+    fails; the others (seeded sampling included) draw exactly what they would have."""
+    from specserve.engine.sampler import Sampler
+
+    llm = LLM(str(tiny_llama))
+    alone = [llm.generate(p, v, use_tqdm=False)[0] for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
+    attacker = SamplingParams(max_tokens=24, temperature=0.5, ignore_eos=True)
+    real = Sampler.__call__
+
+    def picky(self, logits, seqs):
+        if any(s.params is attacker for s in seqs):
+            raise RuntimeError("kernel fault")
+        return real(self, logits, seqs)
+
+    monkeypatch.setattr(Sampler, "__call__", picky)
+    victims, bad = _run_together(llm, attacker)
+    assert bad.finish_reason == "error" and "kernel fault" in bad.error
+    assert [v.token_ids for v in victims] == [a.token_ids for a in alone]

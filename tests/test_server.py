@@ -471,12 +471,15 @@ def test_sigterm_shuts_down_cleanly(spec_server: Server) -> None:
             lines.append(next(it))
             spec_server.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
-            assert spec_server.http.get("/health").status_code == 503
+            with httpx.Client(base_url=spec_server.base, timeout=10) as fresh:  # a new connection, as a prober's
+                assert fresh.get("/health").status_code == 503
+                late = fresh.post("/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
+                assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
             lines.extend(it)
     events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][6:])
     assert last.get("error", {}).get("code") == "server_shutting_down" or last["choices"][0]["finish_reason"]
     assert spec_server.proc.wait(30) == 0, spec_server.log()
-    log = spec_server.log()
+    log = spec_server.full_log()
     assert "engine stopped" in log and "Traceback" not in log, log

@@ -64,9 +64,9 @@ def test_victim_stream_is_unhurt_by_bad_sampling_numbers(servers: dict[str, Serv
     can), streamed and not: each attacker gets its own answer (400 naming the field, or a normal
     completion), and the victim's stream is token for token what it is alone."""
     server = servers["guarded"]
-    expected = LLM(str(tiny_llama)).generate("victim", SamplingParams(max_tokens=300, temperature=0,
+    expected = LLM(str(tiny_llama)).generate("victim", SamplingParams(max_tokens=1000, temperature=0,
                                                                        ignore_eos=True), use_tqdm=False)[0]
-    body = {"model": MODEL, "prompt": "victim", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "victim", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     text: list[str] = []
     started = threading.Event()
@@ -92,9 +92,10 @@ def test_victim_stream_is_unhurt_by_bad_sampling_numbers(servers: dict[str, Serv
                 assert res.json()["error"]["param"] == field and field in res.json()["error"]["message"]
             elif stream:
                 assert res.text.rstrip().endswith("data: [DONE]") and '"error"' not in res.text
-    thread.join(60)
+    assert thread.is_alive(), "the victim should still be streaming while the attacks are answered"
+    thread.join(120)
     assert "".join(text) == expected.text
-    assert "engine step failed" not in server.log()
+    assert "engine step failed" not in server.full_log()
 
 
 # -- slow and hostile clients --------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def test_slow_clients_are_timed_out_and_health_answers_throughout(servers: dict[
     closed after the header timeout, a body that never finishes gets 408, and the log summarizes
     instead of writing a line per event."""
     server = servers["guarded"]
-    log_lines_before = len(server.log_path.read_text(errors="replace").splitlines())
+    log_lines_before = len(server.full_log().splitlines())
     attackers = _half_open_burst(server.port, 300)
     for _ in range(10):
         t0 = time.monotonic()
@@ -153,8 +154,7 @@ def test_slow_clients_are_timed_out_and_health_answers_throughout(servers: dict[
     slow_body.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert b"request_timeout" in answer
-    time.sleep(1.2)  # one summary interval's worth of sweeping
-    new_lines = server.log_path.read_text(errors="replace").splitlines()[log_lines_before:]
+    new_lines = server.full_log().splitlines()[log_lines_before:]
     assert len(new_lines) < 60, "\n".join(new_lines[:80])
     assert not any("Too many open files" in line for line in new_lines)
     assert server.openai.completions.create(model=MODEL, prompt="still here", max_tokens=3).choices
@@ -227,20 +227,20 @@ def test_api_key_guards_v1_and_metrics(servers: dict[str, Server]) -> None:
     with openai.OpenAI(base_url=f"{server.base}/v1", api_key="nope", max_retries=0) as stranger:
         with pytest.raises(openai.AuthenticationError):
             stranger.models.list()
-    assert KEY not in server.log()
+    assert KEY not in server.full_log()
 
 
 def test_metrics_public_and_warning_beyond_loopback(servers: dict[str, Server]) -> None:
     """Bound to 0.0.0.0 without a key: a warning at start; --metrics-public serves /metrics openly."""
     server = servers["public"]
-    assert "without an API key" in server.log()
+    assert "without an API key" in server.full_log()
     with httpx.Client(base_url=server.base, timeout=30) as anonymous:
         assert anonymous.get("/metrics").status_code == 200
         assert anonymous.get("/v1/models").status_code == 200  # no key configured: open
         assert anonymous.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
                               headers={"Host": "my-server.internal"}).status_code == 200  # any name beyond loopback
-    assert "without an API key" not in servers["keyed"].log()
-    assert "without an API key" not in servers["guarded"].log()
+    assert "without an API key" not in servers["keyed"].full_log()
+    assert "without an API key" not in servers["guarded"].full_log()
 
 
 # -- a schema tools can use ----------------------------------------------------------------------------

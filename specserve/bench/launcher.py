@@ -30,10 +30,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_serve_args(args: Sequence[str], field: str) -> argparse.Namespace:
     """Parse `args` as `specserve serve` would, so that a typo fails before anything starts."""
-    from specserve.cli import build_parser
+    from specserve.server.cli import add_serve_parser
 
+    parser = argparse.ArgumentParser(prog="specserve")
+    add_serve_parser(parser.add_subparsers(dest="command"))
     try:
-        parsed = build_parser().parse_args(["serve", *args])
+        parsed = parser.parse_args(["serve", *args])
     except SystemExit:
         raise ValueError(f"{field}: not valid `specserve serve` arguments: {shlex.join(args)!r}") from None
     return parsed
@@ -52,8 +54,14 @@ class ServeCommand:
                 "--port", str(port)]
 
     def shown(self, port: int) -> str:
-        """The command as a person would type it."""
-        return shlex.join(["python", *self.argv(port)[1:]])
+        """The command as a person would type it, with any API key masked (it goes into reports)."""
+        argv = ["python", *self.argv(port)[1:]]
+        for i, arg in enumerate(argv):
+            if arg == "--api-key" and i + 1 < len(argv):
+                argv[i + 1] = "***"
+            elif arg.startswith("--api-key="):
+                argv[i] = "--api-key=***"
+        return shlex.join(argv)
 
 
 class LaunchedServer:

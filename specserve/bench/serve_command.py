@@ -78,8 +78,8 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a launched server gets to be healthy")
     s.add_argument("--server-log-dir", default=None, help="keep launched servers' logs here (default: a temp dir)")
     s.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics for speculation counters")
-    s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="Bearer token for the server (default: $SPECSERVE_API_KEY, else $OPENAI_API_KEY)")
+    s.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY") or None,
+                   help="Bearer token for the server (default: $SPECSERVE_API_KEY)")
 
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", default="spec-bench",

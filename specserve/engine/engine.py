@@ -104,6 +104,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._drafter_failures = 0  # consecutive
 
     # -- public API ------------------------------------------------------
     def add_request(
@@ -206,8 +207,9 @@ class LLMEngine:
         try:
             trees = self.drafter.propose(requests)
         except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
-            logger.exception("drafter failed; this step runs without drafts")
+            self._drafter_failed("propose")
             return {}, {}
+        self._drafter_failures = 0
         drafts = {i: tree.truncated(batch[i].spec_budget) for i, tree in zip(views, trees) if len(tree) > 0}
         return views, drafts
 
@@ -276,7 +278,7 @@ class LLMEngine:
                 try:
                     self.drafter.observe(view, tree, top)
                 except Exception:  # noqa: BLE001 - a drafter that cannot learn still drafts
-                    logger.exception("drafter failed to observe a verification")
+                    self._drafter_failed("observe")
         if item.spec_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
             self.blocks.trim(seq, seq.num_tokens + (len(verdict.tokens) if verdict else 0))
 
@@ -388,7 +390,25 @@ class LLMEngine:
 
     def _drafter_finish(self, seq: Sequence) -> None:
         if self.drafter is not None:
-            self.drafter.finish(seq.request_id, _view(seq))
+            try:
+                self.drafter.finish(seq.request_id, _view(seq))
+            except Exception:  # noqa: BLE001 - the request is done either way
+                self._drafter_failed("finish")
+
+    # After this many failures in a row, speculation is switched off for the engine's lifetime.
+    MAX_DRAFTER_FAILURES = 20
+
+    def _drafter_failed(self, stage: str) -> None:
+        """Drafting is optional: a failing drafter costs its drafts, never a request. The first
+        failure is logged with its traceback, later ones counted; a drafter failing every time
+        is switched off."""
+        self._drafter_failures += 1
+        if self._drafter_failures == 1:
+            logger.exception("drafter failed in %s; the step goes on without it", stage)
+        if self._drafter_failures >= self.MAX_DRAFTER_FAILURES:
+            logger.error("drafter failed %d times in a row; speculation is off from now on", self._drafter_failures)
+            self.drafter = None
+            self.scheduler.spec_budget = no_speculation
 
     def _check_stop(self, req: _Request, token: int) -> str | None:
         """Append the token's text and say why the request should finish, if it should."""

@@ -185,6 +185,7 @@ def create_app(llm: LLM, options: ServerOptions, guard: ConnectionGuard | None =
             metrics.request_done("error")
 
     def count_timeout() -> None:
+        metrics.request_done("error")
         if guard is not None:
             guard.events.add(f"request bodies not received within {options.body_timeout:g} s (408)")
 
@@ -194,7 +195,7 @@ def create_app(llm: LLM, options: ServerOptions, guard: ConnectionGuard | None =
     app.add_middleware(AccessMiddleware, policy=options.access)
     if options.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+                           allow_methods=["GET", "POST"], allow_headers=["*"])  # OpenAI SDKs send x-stainless-*
     if guard is not None:
         app.add_middleware(RequestTracking, guard=guard)
 

@@ -37,7 +37,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     s = p.add_argument_group("security and connection limits")
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV})")
     s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--allowed-hosts", type=_csv, default=None,
@@ -76,15 +76,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
                             allowed_hosts=a.allowed_hosts or default_allowed_hosts(a.host)),
         allowed_origins=a.allowed_origins,
     )
-    limits = ConnectionLimits(max_connections=a.max_connections, header_timeout=a.header_timeout,
-                              body_timeout=a.body_timeout)
+    limits = ConnectionLimits(max_connections=a.max_connections, header_timeout=a.header_timeout)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if options.access.api_key is None and not is_loopback(a.host):
         logger.warning("serving on %s without an API key: anyone who can reach this address can generate and "
                        "read /metrics; set --api-key or $%s", a.host, API_KEY_ENV)
-    limits, backlog = fit_to_fd_limit(limits)
-    guard = ConnectionGuard(limits)
     llm = _make_llm(a)
+    limits, backlog = fit_to_fd_limit(limits)  # after the model: its files and threads hold descriptors too
+    guard = ConnectionGuard(limits)
     app = create_app(llm, options, guard)
     config = uvicorn.Config(
         app, host=a.host, port=a.port, log_level=a.log_level,

@@ -167,7 +167,7 @@ class AsyncEngine:
                 self._run_commands(self._engine)
                 self._abort(self._engine, sorted(self._active))
         for queue in set(self._routes.values()):
-            queue.put_nowait(ServerShuttingDown("the server is shutting down"))
+            queue.put_nowait(ServerShuttingDown("the server is shutting down"))  # a new instance per queue
         self._routes.clear()
 
     async def drain(self, timeout: float) -> None:
@@ -272,11 +272,11 @@ class AsyncEngine:
             queue.put_nowait(out)
 
     def _fail(self, request_ids: list[str], error: EngineError) -> None:
-        """On the event loop: end these requests' streams with `error`."""
+        """On the event loop: end these requests' streams with an error like `error` (one each)."""
         for rid in request_ids:
             queue = self._routes.pop(rid, None)
             if queue is not None:
-                queue.put_nowait(error)
+                queue.put_nowait(type(error)(*error.args))
 
     # -- the engine thread ---------------------------------------------------
     def _run(self) -> None:
@@ -328,7 +328,10 @@ class AsyncEngine:
 
     def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
         for rid in request_ids:
-            engine.abort_request(rid)
+            try:
+                engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - abort the others all the same
+                logger.exception("aborting request %s failed", rid)
             self._active.discard(rid)
 
     def _step(self, engine: LLMEngine) -> None:

@@ -6,7 +6,7 @@ it is accepted:
 
 - it must deliver a complete request head within `header_timeout` seconds of connecting, or of
   the end of its previous response (keep-alive), else it is closed (408 if it had sent part of
-  one); a body must arrive within `body_timeout` seconds of its head (`BodyReader`);
+  one); the body's own deadline is kept by the app (middleware.BodyLimitMiddleware);
 - at most `max_connections` are open: a new connection beyond that closes the one that has waited
   longest for a request head, or, when every open connection is serving a request, is refused
   with 503;
@@ -37,23 +37,24 @@ Peer = tuple[str, int]
 
 # File descriptors kept for everything that is not a client connection (model files, pipes, threads).
 FD_RESERVE = 64
+# Descriptors left free beyond those in use when the limits are fitted (files opened later, logs).
+FD_SPARE = 16
 
 
 @dataclass(frozen=True)
 class ConnectionLimits:
     """max_connections: open client connections at most; header_timeout: seconds to send a whole
-    request head; body_timeout: seconds to send a whole body after its head; log_interval: at most
-    one log line per this many seconds about connections closed or refused."""
+    request head; log_interval: at most one log line per this many seconds about connections
+    closed or refused."""
 
     max_connections: int = 1024
     header_timeout: float = 20.0
-    body_timeout: float = 60.0
     log_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")
-        for name in ("header_timeout", "body_timeout", "log_interval"):
+        for name in ("header_timeout", "log_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name.replace('_', '-')}: must be > 0, got {value}")
@@ -67,12 +68,13 @@ def _fds_in_use() -> int:
 
 
 def fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
-    """Raise this process's open-file limit as far as allowed, cap max_connections below it, and
-    choose the listen backlog, so that accepting never fails for lack of a file descriptor.
+    """Raise this process's open-file limit as far as allowed, then choose the listen backlog and
+    cap max_connections so that accepting never fails for lack of a file descriptor. Call it once
+    everything else is loaded (the model's files and threads hold descriptors too).
 
     The backlog matters as much as the cap: asyncio accepts up to `backlog` connections in one go
-    before any of them reaches the guard, so the fds open at once can reach max_connections +
-    backlog. Returns the limits to use and the backlog.
+    before any of them reaches the guard, so the fds open at once can reach in-use + cap + backlog.
+    Returns the limits to use and the backlog.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 4 * (limits.max_connections + FD_RESERVE)
@@ -85,13 +87,14 @@ def fit_to_fd_limit(limits: ConnectionLimits) -> tuple[ConnectionLimits, int]:
             pass
     if soft == resource.RLIM_INFINITY:
         return limits, 2048
-    if soft - FD_RESERVE < limits.max_connections:
-        cap = max(1, soft - FD_RESERVE)
+    headroom = soft - _fds_in_use() - FD_SPARE
+    backlog = max(8, min(2048, headroom // 8))
+    cap = max(1, headroom - backlog)
+    if cap < limits.max_connections:
         logger.warning("max-connections: %d does not fit the open-file limit of %d; using %d",
                        limits.max_connections, soft, cap)
-        limits = ConnectionLimits(cap, limits.header_timeout, limits.body_timeout, limits.log_interval)
-    headroom = soft - limits.max_connections - _fds_in_use()
-    return limits, max(8, min(2048, headroom // 2))
+        limits = ConnectionLimits(cap, limits.header_timeout, limits.log_interval)
+    return limits, backlog
 
 
 class EventLog:
@@ -124,6 +127,7 @@ class _Conn:
     since: float  # when it started waiting for a request head
     partial: bool = False  # bytes of a request head received
     busy: bool = False  # a request is being served
+    serving: Callable[[], bool] = lambda: False  # whether the HTTP protocol has a request under way
 
 
 _REFUSED = (
@@ -151,10 +155,6 @@ class ConnectionGuard:
         self._timer: asyncio.TimerHandle | None = None
         self.events = EventLog(limits.log_interval, clock)
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._conns)
-
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Count the loop's 'out of file descriptors' accept errors into the summary instead of
         logging each (asyncio would log one per pending connection, with a traceback)."""
@@ -172,11 +172,14 @@ class ConnectionGuard:
 
         loop.set_exception_handler(handler)
 
-    def opened(self, peer: Peer, transport: asyncio.BaseTransport) -> bool:
-        """A connection was accepted. False: it is refused (answered 503 and closed)."""
+    def opened(self, peer: Peer, transport: asyncio.BaseTransport,
+               serving: Callable[[], bool] = lambda: False) -> bool:
+        """A connection was accepted. False: it is refused (answered 503 and closed).
+        `serving` says whether the connection's HTTP protocol has a request under way (its head
+        parsed, the app perhaps not called yet); such a connection is never closed as idle."""
         if len(self._conns) >= self.limits.max_connections:
-            if self._idle:
-                oldest = next(iter(self._idle))
+            oldest = next((p for p in self._idle if not self._conns[p].serving()), None)
+            if oldest is not None:
                 self.events.add(f"closed while waiting for a request, to admit new ones "
                                 f"(limit {self.limits.max_connections} open)")
                 self._close(oldest, timed_out=False)
@@ -188,7 +191,7 @@ class ConnectionGuard:
                 finally:
                     transport.close()
                 return False
-        self._conns[peer] = _Conn(transport, self._clock())
+        self._conns[peer] = _Conn(transport, self._clock(), serving=serving)
         self._idle[peer] = None
         self._arm()
         return True
@@ -221,11 +224,16 @@ class ConnectionGuard:
 
     def sweep(self) -> None:
         """Close connections whose request head is overdue; log what happened if a summary is due."""
-        deadline = self._clock() - self.limits.header_timeout
+        now = self._clock()
+        deadline = now - self.limits.header_timeout
         while self._idle:
             peer = next(iter(self._idle))
-            if self._conns[peer].since > deadline:
+            conn = self._conns[peer]
+            if conn.since > deadline:
                 break
+            if conn.serving():  # its head is in, the app just has not started on it: not idle
+                self.request_started(peer)
+                continue
             self.events.add(f"closed after {self.limits.header_timeout:g} s without a complete request head")
             self._close(peer, timed_out=True)
         self.events.flush()
@@ -274,10 +282,16 @@ class GuardedProtocol(asyncio.Protocol):
         self._transport: asyncio.BaseTransport | None = None
         self._refused = False
 
+    def _serving(self) -> bool:
+        """Whether uvicorn's protocol has a request cycle under way (its `cycle`, in both the h11
+        and the httptools protocol); False where a protocol does not say."""
+        cycle = getattr(self._inner, "cycle", None)
+        return cycle is not None and not getattr(cycle, "response_complete", True)
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
         self._peer = _peer(transport.get_extra_info("peername"))
-        if self._peer is not None and not self._guard.opened(self._peer, transport):
+        if self._peer is not None and not self._guard.opened(self._peer, transport, self._serving):
             self._refused = True
             return
         self._inner.connection_made(transport)

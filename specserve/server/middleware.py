@@ -105,7 +105,11 @@ class AccessMiddleware:
             err = APIError(400, "Host header: this server does not answer to that name (see --allowed-hosts)",
                            code="invalid_host")
             return await _answer(scope, receive, send, err)
-        if policy.needs_key(scope["path"]) and not policy.key_matches(_header(scope, b"authorization")):
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # routes match the path below the mount point
+            path = path[len(root):]
+        if policy.needs_key(path) and not policy.key_matches(_header(scope, b"authorization")):
             err = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                            type="invalid_request_error", code="invalid_api_key")
             return await _answer(scope, receive, send, err, {"WWW-Authenticate": "Bearer"})

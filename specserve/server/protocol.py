@@ -94,6 +94,9 @@ TokenPrompt = list[StrictInt]
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra={
+        "examples": [{"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}]})
+
     prompt: StrictStr | list[StrictStr] | TokenPrompt | list[TokenPrompt]
     logprobs: int | None = None
     echo: bool = False
@@ -159,6 +162,9 @@ class ResponseFormat(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra={
+        "examples": [{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -190,6 +196,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False,
+                              json_schema_extra={"examples": [{"prompt": "Hello world"}]})
+
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -202,6 +211,8 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra={"examples": [{"tokens": [1, 2, 3]}]})
+
     model: str | None = None
     tokens: list[StrictInt]
 
