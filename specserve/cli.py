@@ -6,32 +6,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from specserve.model.loader import DEFAULT_MODEL, LOAD_FORMATS
-from specserve.spec.config import SPEC_METHODS, SpecConfig
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, .gguf file or HF directory (default: {DEFAULT_MODEL})")
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0)
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec", default="none",
-                   help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' (default: none)")
-    s.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per request per step (K)")
-    s.add_argument("--spec-width", type=int, default=1, help="tree width where the drafter has one")
-    s.add_argument("--draft-model", default=None, help="model for --spec draft-model (same tokenizer)")
-    s.add_argument("--draft-layers", type=int, default=None, help="layers for --spec layer-skip")
-    s.add_argument("--draft-stop-below", type=float, default=0.0,
-                   help="model drafters stop a chain when their pick's probability is below this")
+from specserve.entrypoints.engine_args import EngineArgs
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -45,24 +20,6 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-
-
-def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        load_format=a.load_format,
-        device=a.device,
-        dtype=a.dtype,
-        max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        enable_chunked_prefill=not a.no_chunked_prefill,
-        enable_prefix_caching=not a.no_prefix_caching,
-        kv_cache_gb=a.kv_cache_gb,
-        speculative=SpecConfig(
-            method=a.spec, num_tokens=a.spec_tokens, width=a.spec_width,
-            draft_model=a.draft_model, draft_layers=a.draft_layers, draft_stop_below=a.draft_stop_below,
-        ),
-    )
 
 
 def _sampling(a: argparse.Namespace) -> Any:
@@ -81,14 +38,11 @@ def _sampling(a: argparse.Namespace) -> Any:
     )
 
 
-def _make_llm(a: argparse.Namespace) -> Any:
-    import torch
-
+def make_llm(a: argparse.Namespace) -> Any:
+    """The LLM the parsed engine options describe."""
     from specserve import LLM
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    return LLM(a.model, **_engine_kwargs(a))
+    return LLM.from_engine_args(EngineArgs.from_cli(a))
 
 
 def _stream(llm: Any, prompt: Any, params: Any, out: Any) -> Any:
@@ -106,7 +60,7 @@ def _stream(llm: Any, prompt: Any, params: Any, out: Any) -> Any:
 def cmd_generate(a: argparse.Namespace) -> int:
     from specserve.tokenizer import apply_chat_template
 
-    llm = _make_llm(a)
+    llm = make_llm(a)
     prompt = a.prompt
     if a.chat:
         prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": a.prompt}])
@@ -121,7 +75,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from specserve.tokenizer import apply_chat_template
 
-    llm = _make_llm(a)
+    llm = make_llm(a)
     params = _sampling(a)
     messages: list[dict[str, str]] = []
     if a.system:
@@ -183,13 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--quiet", action="store_true", help="no statistics line on stderr")
-    _add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     _add_sampling_args(gen, max_tokens=256)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat using the model's chat template")
     chat.add_argument("--system", default=None, help="system message")
-    _add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
@@ -200,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     tp = bench_sub.add_parser("throughput", help="output tokens/s vs transformers generate() at several batch sizes")
-    _add_engine_args(tp)
+    EngineArgs.add_cli_args(tp)
     tp.add_argument("--batch-sizes", default="1,8,32")
     tp.add_argument("--max-tokens", type=int, default=128)
     tp.add_argument("--repeats", type=int, default=3, help="timed runs per row; the median is reported")
@@ -211,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=cmd_bench_throughput)
 
     sp = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench, batch 1, every drafter")
-    _add_engine_args(sp)
+    EngineArgs.add_cli_args(sp)
     sp.add_argument("--methods", default=None, help="comma-separated subset (default: all; `none` always runs)")
     sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
     sp.add_argument("--max-tokens", type=int, default=256)

@@ -254,3 +254,4 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    attention_backend: str = "auto"  # auto | sdpa | cpu-paged

@@ -68,6 +68,26 @@ def test_greedy_speculation_matches_plain_decoding(
     assert sum(s.accepted for s in per_request) == engine.spec_totals.accepted
 
 
+@pytest.fixture(scope="module")
+def plain_int4_outputs(tiny_llama: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_llama), quantization="int4")
+    return [o.token_ids for o in llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", ["ngram-tree", "suffix", "recycling", "layer-skip", "draft-model"])
+def test_greedy_speculation_matches_plain_decoding_on_the_int4_native_path(
+    tiny_llama: Path, draft_dir: Path, plain_int4_outputs: list[list[int]], name: str
+) -> None:
+    """With int4 weights, decode and verification steps run every layer in one native call (trees
+    through the native attention's ancestor masks): still token for token plain decoding."""
+    llm = LLM(str(tiny_llama), speculative=spec_configs(tiny_llama, draft_dir)[name], quantization="int4",
+              max_num_batched_tokens=24)
+    assert llm.engine.model._native(llm.engine.runner.kv_cache, torch.zeros(1, 64)) is not None
+    outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain_int4_outputs
+    assert llm.engine.spec_totals.steps > 0
+
+
 # ---------------------------------------------------------------------------
 # Lossless sampling, checked exactly on a 4-token vocabulary
 

@@ -89,7 +89,7 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
 
 def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     from specserve import LLM, SamplingParams
-    from specserve.cli import _engine_kwargs
+    from specserve.entrypoints.engine_args import EngineArgs
     from specserve.tokenizer import apply_chat_template
 
     paths = ReportPaths.from_args(a)
@@ -97,8 +97,7 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         torch.set_num_threads(a.threads)
     dataset = open_dataset(a.dataset, Path(a.dataset_path) if getattr(a, "dataset_path", None) else None)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
-    base_kwargs = _engine_kwargs(a)
-    base_kwargs.pop("speculative", None)
+    base = EngineArgs.from_cli(a)
     rows: list[dict[str, Any]] = []
     per_method: dict[str, dict[str, Tally]] = {}
     questions: list[tuple[str, str]] = []
@@ -107,7 +106,7 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     methods = _methods(a)
     bar = None
     for name, spec in methods:
-        llm = LLM(a.model, speculative=spec, **base_kwargs)
+        llm = LLM.from_engine_args(base.with_(speculative=spec))
         if prompts is None:
             questions = load_questions(dataset, a.per_category, a.max_tokens, llm.tokenizer)
             prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]

@@ -74,7 +74,7 @@ def _median_rate(fn: Callable[[], int], repeats: int, device: str, bar: Any = No
 
 def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     from specserve import LLM, SamplingParams
-    from specserve.cli import _engine_kwargs
+    from specserve.entrypoints.engine_args import EngineArgs
     from specserve.model.loader import model_dir_for
     from specserve.tokenizer import apply_chat_template
 
@@ -82,7 +82,7 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     if a.threads:
         torch.set_num_threads(a.threads)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM.from_engine_args(EngineArgs.from_cli(a))
     tok = llm.tokenizer
     if tok is not None:
         texts = load_prompts(a, tok, max(batch_sizes))
@@ -167,11 +167,16 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for m in model.modules():
-        if isinstance(m, (Linear, RMSNorm)):
-            for p in m.parameters(recurse=False):
-                if p.data_ptr() not in seen:
-                    seen.add(p.data_ptr())
-                    total += p.numel() * p.element_size()
+        if isinstance(m, Linear) and m.kernel is not None:
+            tensors = list(m.kernel.buffers())  # the weights as the kernel holds them (packed, quantized)
+        elif isinstance(m, (Linear, RMSNorm)):
+            tensors = [p for p in m.parameters(recurse=False) if p is not None]
+        else:
+            continue
+        for t in tensors:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
     return total
 
 

@@ -23,13 +23,14 @@ from specserve.engine.sampler import Sampler
 from specserve.engine.scheduler import ScheduledSeq, Scheduler, no_speculation
 from specserve.engine.sequence import Sequence, SpecCounters
 from specserve.errors import InvalidRequestError
+from specserve.model.attention import make_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.outputs import RequestMetrics, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.spec.config import SpecConfig
 from specserve.spec.controller import FixedController
 from specserve.spec.drafter import Drafter, DraftRequest, RequestView
-from specserve.spec.factory import build_drafter
+from specserve.spec.factory import DraftBuilder, build_drafter
 from specserve.spec.tree import DraftTree
 from specserve.spec.verifier import Verdict, Verifier, failed
 from specserve.tokenizer import IncrementalDetokenizer
@@ -76,7 +77,9 @@ class LLMEngine:
         model: LlamaForCausalLM,
         tokenizer: Any | None,
         spec: SpecConfig | None = None,
+        draft_builder: DraftBuilder | None = None,
     ) -> None:
+        """draft_builder: loads a draft model by name (for the draft-model drafter)."""
         self.config = config
         self.spec_config = spec or SpecConfig()
         self.model = model
@@ -88,13 +91,15 @@ class LLMEngine:
         )
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         kv = allocate_kv_cache(model, num_blocks, cache.block_size, config.dtype, self.device)
-        self.runner = ModelRunner(model, kv, cache.block_size, self.device)
+        cfg = model.config
+        attention = make_backend(config.attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.runner = ModelRunner(model, kv, cache.block_size, self.device, attention)
         self.sampler = Sampler(self.device, config.seed)
         self.verifier = Verifier(self.sampler.generator)
         self.drafter: Drafter | None = None
         controller = no_speculation
         if self.spec_config.enabled:
-            self.drafter = build_drafter(self.spec_config, self)
+            self.drafter = build_drafter(self.spec_config, self, draft_builder)
             controller = FixedController(self.spec_config.num_tokens)
         self.scheduler = Scheduler(config.scheduler, self.blocks, controller)
         self.spec_totals = SpecCounters()

@@ -7,12 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.scheduler import ScheduledSeq
-from specserve.spec.tree import DraftTree
-from specserve.model.attention import AttentionGroup, AttentionMetadata
+from specserve.model.attention.base import AttentionBackend, AttentionBatch, PlannedAttention
 from specserve.model.llama import KVCache, LlamaForCausalLM
-
-# Requests with at most this many new tokens (decodes, later draft trees) share one padded SDPA call.
-SMALL_QUERY = 16
+from specserve.spec.tree import DraftTree
 
 
 def allocate_kv_cache(
@@ -52,11 +49,15 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device,
+        attention: AttentionBackend,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.attention = attention
 
     def execute(
         self, batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree] | None = None
@@ -95,8 +96,8 @@ class ModelRunner:
         """Forward `items` through the model (or its first `num_layers` layers, as a self-drafter);
         returns logits for the requested rows and each item's (first row, count) or None."""
         input_ids, positions, slots, logit_idx, rows = self._flatten(items)
-        meta = AttentionMetadata(slot_mapping=slots, groups=self._groups(items))
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, num_layers=num_layers)
+        attn = PlannedAttention(self.attention, self.attention.plan(self._attention_batch(items, slots), self.device))
+        hidden = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)
         return self.model.compute_logits(hidden[logit_idx]), rows
 
     def copy_slots(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
@@ -143,60 +144,17 @@ class ModelRunner:
             rows,
         )
 
-    def _groups(self, items: list[ForwardItem]) -> tuple[AttentionGroup, ...]:
-        groups: list[AttentionGroup] = []
-        small: list[tuple[int, ForwardItem]] = []
+    def _attention_batch(self, items: list[ForwardItem], slots: torch.Tensor) -> AttentionBatch:
+        q_start, q_len, ctx_len = [], [], []
         offset = 0
         for item in items:
             n = len(item.tokens)
-            if item.start == 0 and item.mask is None:
-                groups.append(AttentionGroup(causal_range=(offset, offset + n)))
-            elif n <= SMALL_QUERY:
-                small.append((offset, item))
-            else:
-                groups.append(self._padded_group([(offset, item)]))
+            q_start.append(offset)
+            q_len.append(n)
+            ctx_len.append(item.start + n)
             offset += n
-        if small:
-            groups.append(self._padded_group(small))
-        return tuple(groups)
-
-    def _padded_group(self, items: list[tuple[int, ForwardItem]]) -> AttentionGroup:
-        """Requests with cached context: each new token sees the cached prefix and, among the new
-        tokens, those its mask allows (causal by default)."""
-        bs = self.block_size
-        dev = self.device
-        n_new_list = [len(it.tokens) for _, it in items]
-        ctx_lens = [it.start + len(it.tokens) for _, it in items]
-        n_blocks = [-(-c // bs) for c in ctx_lens]
-        nb = max(n_blocks)
-        tables = [it.block_table[:k] + [0] * (nb - k) for (_, it), k in zip(items, n_blocks)]
-        kv_blocks = torch.tensor(tables, dtype=torch.long, device=dev)
-        first = items[0][0]
-        single_token_run = max(n_new_list) == 1 and all(off == first + r for r, (off, _) in enumerate(items))
-        if single_token_run and all(c == nb * bs for c in ctx_lens):
-            return AttentionGroup(kv_blocks=kv_blocks, q_start=first)  # every query sees every key
-
-        q_pad, kv_len = max(n_new_list), nb * bs
-        arange_q = torch.arange(q_pad)
-        arange_kv = torch.arange(kv_len)
-        n_new = torch.tensor(n_new_list)
-        ctx = torch.tensor(ctx_lens)
-        q_valid = arange_q[None, :] < n_new[:, None]
-        # Query j of a row sits at logical slot ctx - n_new + j and sees keys at slots <= its own.
-        q_slot = (ctx - n_new)[:, None] + arange_q[None, :]
-        mask = arange_kv[None, None, :] <= q_slot[:, :, None]
-        for row, (_, item) in enumerate(items):
-            if item.mask is not None:  # a tree: among the new tokens, ancestors only
-                n, start = len(item.tokens), item.start
-                mask[row, :n, start : start + n] = item.mask
-        mask &= q_valid[:, :, None] | (arange_kv == 0)[None, None, :]  # padding rows see key 0 only
-        rep = self.model.config.num_heads // self.model.config.num_kv_heads
-        tiled = mask[:, None].repeat(1, 1, rep, 1).to(dev)  # query axis: head-group-major, as SDPA sees it
-        if single_token_run:
-            return AttentionGroup(kv_blocks=kv_blocks, mask=tiled, q_start=first)
-        offsets = torch.tensor([off for off, _ in items])
-        q_index = (offsets[:, None] + torch.minimum(arange_q[None, :], n_new[:, None] - 1)).to(dev)
-        q_valid = q_valid.to(dev)
-        return AttentionGroup(
-            kv_blocks=kv_blocks, mask=tiled, q_index=q_index, q_valid=q_valid, out_index=q_index[q_valid]
+        return AttentionBatch(
+            slot_mapping=slots, q_start=tuple(q_start), q_len=tuple(q_len), ctx_len=tuple(ctx_len),
+            block_tables=tuple(tuple(item.block_table) for item in items),
+            masks=tuple(item.mask for item in items), num_tokens=offset, block_size=self.block_size,
         )

@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import zlib
+from collections import Counter
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
+from specserve.config import parse_dtype
 from specserve.engine.engine import LLMEngine
 from specserve.errors import InvalidRequestError
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
-from specserve.model.loader import DEFAULT_MODEL, load_model_files
+from specserve.model.loader import DEFAULT_MODEL, gguf_int4_source, load_model_files, resolve_quantization
+from specserve.model.quant import prepare_linears
+from specserve.model.tuning import KernelTuner
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
-from specserve.spec.config import SpecConfig
+from specserve.entrypoints.engine_args import EngineArgs
 from specserve.spec.factory import with_model_defaults
 from specserve.tokenizer import apply_chat_template, load_tokenizer
 
+logger = logging.getLogger("specserve")
+
 
 def build_model(
-    model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int
+    model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
+    quantization: str = "none",
 ) -> tuple[LlamaForCausalLM, Any, int]:
-    """Load config and weights into our model; returns (model, tokenizer or None, max_model_len)."""
+    """Load config and weights into our model, with each projection's kernel chosen by measurement
+    for `quantization` (auto: as the weights were shipped); returns (model, tokenizer or None,
+    max_model_len)."""
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -44,19 +54,14 @@ def build_model(
         if missing or unexpected:
             raise ValueError(f"model: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     net.eval()
-    net.pack_weights()
+    precision = resolve_quantization(quantization, loaded.gguf_path)
+    source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
+    tuner = KernelTuner(torch.device(device))
+    chosen = prepare_linears(net, precision, tuner.choose, source)
+    logger.info("%s: %s weights; kernels: %s", model, precision,
+                ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
     return net, tokenizer, limit
-
-
-def _spec_config(speculative: SpecConfig | dict[str, Any] | str | None) -> SpecConfig:
-    if speculative is None:
-        return SpecConfig()
-    if isinstance(speculative, SpecConfig):
-        return speculative
-    if isinstance(speculative, str):
-        return SpecConfig(method=speculative)
-    return SpecConfig(**speculative)
 
 
 @torch.no_grad()
@@ -81,46 +86,31 @@ class LLM:
     >>> out[0].text
     """
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        load_format: str = "auto",
-        device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_gb: float = 1.0,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        speculative: SpecConfig | dict[str, Any] | str | None = None,
-    ) -> None:
-        torch_dtype = parse_dtype(dtype)
-        spec = _spec_config(speculative)
-        net, tokenizer, limit = build_model(model, load_format, device, torch_dtype, max_model_len, seed)
-        config = EngineConfig(
-            model=net.config,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_kv_blocks,
-                kv_cache_bytes=int(kv_cache_gb * (1 << 30)),
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            max_model_len=limit,
-            device=device,
-            dtype=torch_dtype,
-            seed=seed,
-        )
-        self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(spec, model))
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        """`options`: the fields of EngineArgs (load_format, device, dtype, quantization,
+        max_model_len, max_num_seqs, kv_cache_gb, speculative, ...)."""
+        self.args = EngineArgs.from_kwargs(model, options)
+        args = self.args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        torch_dtype = parse_dtype(args.dtype)
+        net, tokenizer, limit = build_model(args.model, args.load_format, args.device, torch_dtype,
+                                            args.max_model_len, args.seed, args.quantization)
+        config = args.engine_config(net.config, limit)
+        self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(args.speculative, args.model),
+                                draft_builder=self._build_draft)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "model"}
+        return cls(args.model, **options)
+
+    def _build_draft(self, name: str, max_model_len: int) -> tuple[LlamaForCausalLM, Any]:
+        """A draft model for the draft-model drafter, loaded like the target (same precision rule)."""
+        a = self.args
+        model, tokenizer, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
+                                          a.quantization)
+        return model, tokenizer
 
     @property
     def tokenizer(self) -> Any:

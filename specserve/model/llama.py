@@ -14,50 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig, RopeScaling
-from specserve.model.attention import AttentionMetadata, PagedAttention
+from specserve.model import cpu_ops
+from specserve.model.attention.base import PlannedAttention
+from specserve.model.native_decoder import NativeDecoder
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), like nn.Linear, with an optional oneDNN-packed copy of W for the CPU.
-
-    On CPU in float32, oneDNN's matmul on a weight reordered into its blocked
-    layout runs the whole SmolLM2-135M decode step's projections about 2x faster
-    than the MKL path behind nn.Linear (one row and 32 rows alike; see
-    BENCHMARKS.md). `pack()` makes that copy; the dense weight stays the parameter
-    (state dicts, other devices), at the cost of holding the matrices twice in
-    host memory.
-    """
-
-    # Rows the packed layout is tuned for; measured to matter little between 8 and 2048.
-    PACK_BATCH_HINT = 32
+    """y = x W^T (+ b), like nn.Linear, until `kernel` is set (see specserve.model.quant): then the
+    kernel holds the weights, in whatever precision and layout it runs fastest."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self._packed: torch.Tensor | None = None
-
-    def pack(self) -> bool:
-        """Prepack for oneDNN when it can run this layer; returns whether it did."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-            return False
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.PACK_BATCH_HINT)
-            probe = torch.randn(2, w.shape[1])
-            got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
-            if not torch.allclose(got, F.linear(probe, w, self.bias), atol=1e-4, rtol=1e-4):
-                return False
-        except (RuntimeError, AttributeError):
-            return False
-        self._packed = packed
-        return True
+        self.kernel: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+        if self.kernel is not None:
+            return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -68,6 +44,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_ops.contiguous_f32(x) and cpu_ops.available():
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -104,8 +82,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows [T, 1, D] for these positions, looked up once per forward."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos and sin rows [T, D] for these positions, looked up once per forward."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rope(
@@ -130,22 +108,27 @@ class Attention(nn.Module):
         # q, k and v projections fused into one matmul.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        attn: PlannedAttention,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        native_rope = cpu_ops.fits(qkv) and cpu_ops.available()
+        if native_rope:  # q and k rotated in place: one call instead of a dozen tensor operations
+            cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, *rope)
-        out = self.attn(q, k, v, kv[0], kv[1], meta)
+        if not native_rope:
+            cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+            q, k = apply_rope(q, k, cos, sin)
+        out = attn(q, k, v, kv[0], kv[1])
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -158,7 +141,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dim() == 2 and cpu_ops.contiguous_f32(gate_up) and cpu_ops.available():
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -175,9 +161,9 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        attn: PlannedAttention,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -194,27 +180,41 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        self._native_decoder: tuple[int, NativeDecoder | None] | None = None
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: KVCache,
-        meta: AttentionMetadata,
+        attn: PlannedAttention,
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for every new token. With `num_layers`, only the
         first that many layers run (self-speculation by layer skipping) and write their K/V."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer, kv in zip(layers, kv_caches):
-            x = layer(x, rope, kv, meta)
+        n = len(self.layers) if num_layers is None else num_layers
+        native = self._native(kv_caches, x)
+        meta = attn.native_metadata() if native is not None else None
+        if native is not None and meta is not None:  # a small step: every layer in one native call
+            block_size = kv_caches[0][0].shape[1]
+            x = native(x, n, rope[0], rope[1], meta, attn.backend.scale, block_size)
+        else:
+            for layer, kv in zip(self.layers[:n], kv_caches):
+                x = layer(x, rope, kv, attn)
         return self.norm(x)
 
-    def pack_weights(self) -> int:
-        """Prepack every projection for the fastest kernel on this device; returns how many were packed."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+    def _native(self, kv_caches: KVCache, x: torch.Tensor) -> NativeDecoder | None:
+        """The native layer loop for these caches, when every layer can run there and the step is
+        small enough for the few-rows kernels (built once per KV cache)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not kv_caches:
+            return None
+        key = kv_caches[0][0].data_ptr()
+        if self._native_decoder is None or self._native_decoder[0] != key:
+            self._native_decoder = (key, NativeDecoder.build(self, kv_caches))
+        native = self._native_decoder[1]
+        return native if native is not None and x.shape[0] < native.max_rows else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -16,7 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -267,6 +267,69 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor] | None  # None for dummy weights
     tokenizer_path: Path | None
     load_seconds: float
+    gguf_path: Path | None = None  # the GGUF the weights came from, for taking its int4 blocks as they are
+
+
+# Engine projection -> the GGUF tensors whose rows it stacks (in order).
+_GGUF_PARTS = {
+    "self_attn.qkv_proj": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "self_attn.o_proj": ("attn_output.weight",),
+    "mlp.gate_up_proj": ("ffn_gate.weight", "ffn_up.weight"),
+    "mlp.down_proj": ("ffn_down.weight",),
+}
+
+
+def resolve_quantization(requested: str, gguf_path: Path | None) -> str:
+    """`requested`, or for "auto" the precision the weights were shipped in: a GGUF whose
+    projections are all Q4_0/Q4_1 -> int4, all Q8_0 -> int8; anything else -> none."""
+    if requested != "auto":
+        return requested
+    if gguf_path is None:
+        return "none"
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    kinds = {t.tensor_type.name for t in reader.tensors
+             if t.name.startswith("blk.") and t.name.rsplit(".", 2)[-2] in _GGUF_PROJECTIONS}
+    if kinds and kinds <= {"Q4_0", "Q4_1"}:
+        return "int4"
+    if kinds == {"Q8_0"}:
+        return "int8"
+    return "none"
+
+
+_GGUF_PROJECTIONS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
+
+
+def gguf_int4_source(gguf_path: Path, cfg: ModelConfig) -> Callable[[str], Any]:
+    """A function from an engine projection's name to its int4 weights taken from the GGUF's own
+    Q4_0/Q4_1 blocks (rows un-permuted and stacked as the engine fuses them), or None when the
+    file stores any part of it otherwise."""
+    import gguf
+
+    from specserve.model.quant import Int4Weight, gguf_int4
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def source(name: str) -> Int4Weight | None:
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in _GGUF_PARTS:
+            return None
+        weights = []
+        for part in _GGUF_PARTS[parts[2]]:
+            t = tensors.get(f"blk.{parts[1]}.{part}")
+            w = None if t is None else gguf_int4(t.data, t.tensor_type.name)
+            if w is None:
+                return None
+            if cfg.model_type == "llama" and part in ("attn_q.weight", "attn_k.weight"):
+                heads = cfg.num_heads if part == "attn_q.weight" else cfg.num_kv_heads
+                w = Int4Weight(_unpermute_rope(w.q, heads), _unpermute_rope(w.scale, heads),
+                               _unpermute_rope(w.minimum, heads))
+            weights.append(w)
+        return weights[0] if len(weights) == 1 else Int4Weight.cat(weights)
+
+    return source
 
 
 def load_model_files(model: str, load_format: str = "auto") -> LoadedModel:
@@ -288,16 +351,18 @@ def load_model_files(model: str, load_format: str = "auto") -> LoadedModel:
             path = convert_gguf(path)
         return LoadedModel(ModelConfig.from_model_dir(path), None, path, time.perf_counter() - start)
     path = resolve_model_path(model)
+    gguf_path = None
     if path.suffix == ".gguf":
         if load_format == "hf":
             raise ValueError(f"load_format: 'hf' given but {path} is a GGUF file")
+        gguf_path = path
         path = convert_gguf(path)
     elif load_format == "gguf":
         raise ValueError(f"load_format: 'gguf' given but {path} is not a GGUF file")
     cfg = ModelConfig.from_model_dir(path)
     state = hf_to_engine_state_dict(_read_hf_state_dict(path), cfg)
     tok_path = path if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
-    return LoadedModel(cfg, state, tok_path, time.perf_counter() - start)
+    return LoadedModel(cfg, state, tok_path, time.perf_counter() - start, gguf_path)
 
 
 def model_dir_for(model: str) -> Path:

@@ -9,7 +9,7 @@ import os
 import signal
 from types import FrameType
 
-from specserve.cli import _add_engine_args, _make_llm
+from specserve.entrypoints.engine_args import EngineArgs
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -24,7 +24,7 @@ def _csv(value: str) -> tuple[str, ...]:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to specserve's command line."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -81,7 +81,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if options.access.api_key is None and not is_loopback(a.host):
         logger.warning("serving on %s without an API key: anyone who can reach this address can generate and "
                        "read /metrics; set --api-key or $%s", a.host, API_KEY_ENV)
-    llm = _make_llm(a)
+    from specserve.entrypoints.llm import LLM
+
+    llm = LLM.from_engine_args(EngineArgs.from_cli(a))
     limits, backlog = fit_to_fd_limit(limits)  # after the model: its files and threads hold descriptors too
     guard = ConnectionGuard(limits)
     app = create_app(llm, options, guard)

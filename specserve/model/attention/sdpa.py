@@ -1,13 +1,11 @@
-"""Reference attention backend over a paged KV cache (torch SDPA, CPU and CUDA).
+"""The reference attention backend: torch SDPA over K/V gathered from the paged cache (CPU, CUDA).
 
-The model sees only flat tensors. Per step, the model runner builds one
-`AttentionMetadata`: where each new token's K/V goes (`slot_mapping`) and a few
-`AttentionGroup`s. A group is a set of requests whose new tokens are attended
-together: each request contributes up to `Qp` query rows and up to `Lp` key
-slots gathered from the cache, with a boolean mask saying which query sees
-which key. The mask is what makes token trees possible later: a tree node sees
-its request's cached prefix and its own ancestors, nothing else. Causal
-chunks are the special case where the mask among new tokens is lower-triangular.
+`plan` sorts the items into a few `AttentionGroup`s. A group is a set of requests whose new
+tokens are attended together: each request contributes up to `Qp` query rows and up to `Lp` key
+slots gathered (whole blocks at a time) from the cache, with a boolean mask saying which query
+sees which key: a tree node sees its request's cached prefix and its own ancestors, a causal
+chunk the prefix and the tokens before it. A request whose whole context is its new tokens
+attends them directly, with no gather.
 """
 
 from __future__ import annotations
@@ -16,6 +14,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specserve.model.attention.base import AttentionBackend, AttentionBatch, write_kv
+
+# Requests with at most this many new tokens (decodes, draft trees) share one padded SDPA call.
+SMALL_QUERY = 16
 
 
 @dataclass(frozen=True)
@@ -64,20 +67,73 @@ def _from_kv_major(x: torch.Tensor, num_heads: int, q_len: int) -> torch.Tensor:
     return x.view(g, kvh, rep, q_len, d).permute(0, 3, 1, 2, 4).reshape(g, q_len, num_heads, d)
 
 
-class PagedAttention:
+class SdpaBackend(AttentionBackend):
     """Writes new K/V into the paged cache and attends each group with SDPA.
 
     Grouped-query attention is done without repeating K/V: the query heads that
     share a KV head are stacked along the query axis, and the mask is tiled to match.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+    name = "sdpa"
 
-    def __call__(
+    def plan(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
+        groups: list[AttentionGroup] = []
+        small: list[int] = []
+        for i in range(batch.num_items):
+            n = batch.q_len[i]
+            if batch.ctx_len[i] == n and batch.masks[i] is None:
+                groups.append(AttentionGroup(causal_range=(batch.q_start[i], batch.q_start[i] + n)))
+            elif n <= SMALL_QUERY:
+                small.append(i)
+            else:
+                groups.append(self._padded_group(batch, [i], device))
+        if small:
+            groups.append(self._padded_group(batch, small, device))
+        return AttentionMetadata(slot_mapping=batch.slot_mapping, groups=tuple(groups))
+
+    def _padded_group(self, batch: AttentionBatch, items: list[int], device: torch.device) -> AttentionGroup:
+        """Requests with cached context: each new token sees the cached prefix and, among the new
+        tokens, those its mask allows (causal by default)."""
+        bs = batch.block_size
+        n_new_list = [batch.q_len[i] for i in items]
+        ctx_lens = [batch.ctx_len[i] for i in items]
+        n_blocks = [-(-c // bs) for c in ctx_lens]
+        nb = max(n_blocks)
+        tables = [list(batch.block_tables[i][:k]) + [0] * (nb - k) for i, k in zip(items, n_blocks)]
+        kv_blocks = torch.tensor(tables, dtype=torch.long, device=device)
+        offsets_list = [batch.q_start[i] for i in items]
+        first = offsets_list[0]
+        single_token_run = max(n_new_list) == 1 and all(off == first + r for r, off in enumerate(offsets_list))
+        if single_token_run and all(c == nb * bs for c in ctx_lens):
+            return AttentionGroup(kv_blocks=kv_blocks, q_start=first)  # every query sees every key
+
+        q_pad, kv_len = max(n_new_list), nb * bs
+        arange_q = torch.arange(q_pad)
+        arange_kv = torch.arange(kv_len)
+        n_new = torch.tensor(n_new_list)
+        ctx = torch.tensor(ctx_lens)
+        q_valid = arange_q[None, :] < n_new[:, None]
+        # Query j of a row sits at logical slot ctx - n_new + j and sees keys at slots <= its own.
+        q_slot = (ctx - n_new)[:, None] + arange_q[None, :]
+        mask = arange_kv[None, None, :] <= q_slot[:, :, None]
+        for row, i in enumerate(items):
+            tree = batch.masks[i]
+            if tree is not None:  # among the new tokens, ancestors only
+                n, start = batch.q_len[i], batch.ctx_len[i] - batch.q_len[i]
+                mask[row, :n, start : start + n] = tree
+        mask &= q_valid[:, :, None] | (arange_kv == 0)[None, None, :]  # padding rows see key 0 only
+        rep = self.num_heads // self.num_kv_heads
+        tiled = mask[:, None].repeat(1, 1, rep, 1).to(device)  # query axis: head-group-major, as SDPA sees it
+        if single_token_run:
+            return AttentionGroup(kv_blocks=kv_blocks, mask=tiled, q_start=first)
+        offsets = torch.tensor(offsets_list)
+        q_index = (offsets[:, None] + torch.minimum(arange_q[None, :], n_new[:, None] - 1)).to(device)
+        q_valid = q_valid.to(device)
+        return AttentionGroup(
+            kv_blocks=kv_blocks, mask=tiled, q_index=q_index, q_valid=q_valid, out_index=q_index[q_valid]
+        )
+
+    def forward(
         self,
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
@@ -86,10 +142,7 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if len(meta.groups) == 1 and meta.groups[0].causal_range == (0, q.shape[0]):
             return self._causal(q, k, v)
         out = torch.empty_like(q)
@@ -106,8 +159,8 @@ class PagedAttention:
                 qs = q[group.q_index]
             q_len = qs.shape[1]
             # Gather whole blocks (contiguous runs), then view them as one key axis.
-            kg = k_cache[group.kv_blocks].view(g, nb * k_cache.shape[1], self.num_kv_heads, self.head_dim)
-            vg = v_cache[group.kv_blocks].view(g, nb * v_cache.shape[1], self.num_kv_heads, self.head_dim)
+            kg = k_cache[group.kv_blocks].view(g, nb * k_cache.shape[1], self.num_kv_heads, self.head_dim).to(q.dtype)
+            vg = v_cache[group.kv_blocks].view(g, nb * v_cache.shape[1], self.num_kv_heads, self.head_dim).to(q.dtype)
             kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [G, KVH, L, D]
             o = F.scaled_dot_product_attention(
                 _to_kv_major(qs, self.num_kv_heads), kg, vg, attn_mask=group.mask, scale=self.scale

@@ -1,0 +1,149 @@
+"""One definition of the engine's options: `EngineArgs`, its command-line arguments, and the
+engine it builds. `generate`, `chat`, `serve` and every `bench` command take their engine
+options from here, and `LLM(...)` takes the same names as keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from specserve.model.attention import ATTENTION_BACKENDS
+from specserve.model.loader import DEFAULT_MODEL, LOAD_FORMATS
+from specserve.model.quant import QUANTIZATIONS
+from specserve.spec.config import SPEC_METHODS, SpecConfig
+
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
+
+
+def spec_config(speculative: SpecConfig | dict[str, Any] | str | None) -> SpecConfig:
+    if speculative is None:
+        return SpecConfig()
+    if isinstance(speculative, SpecConfig):
+        return speculative
+    if isinstance(speculative, str):
+        return SpecConfig(method=speculative)
+    return SpecConfig(**speculative)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes an engine, with the defaults of `specserve generate/serve`.
+
+    quantization: auto | none | int8 | int4. auto takes the precision the weights were shipped
+        in: a GGUF whose projections are Q4_0/Q4_1 runs int4 (from its own blocks, exactly),
+        Q8_0 runs int8; anything else runs the float dtype (none).
+    attention_backend: auto | sdpa | cpu-paged (auto: the in-place CPU kernel where it builds).
+    threads: CPU threads for PyTorch and the native kernels (None: PyTorch's default).
+    """
+
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantization: str = "auto"
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    threads: int | None = None
+    speculative: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", spec_config(self.speculative))  # accept a name or a dict
+        parse_dtype(self.dtype)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb: must be positive, got {self.kv_cache_gb}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"LLM: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(model=model, **kwargs)
+
+    def with_(self, **changes: Any) -> "EngineArgs":
+        return replace(self, **changes)
+
+    # -- the command line -------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        g = p.add_argument_group("model and engine")
+        g.add_argument("--model", default=d.model, help=f"alias, .gguf file or HF directory (default: {d.model})")
+        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS)
+        g.add_argument("--device", default=d.device, help="cpu or cuda")
+        g.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (activations, KV cache)")
+        g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_CHOICES,
+                       help="weight precision: auto = as shipped (the bundled Q4_1 GGUF: int4), none = float")
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        g.add_argument("--no-chunked-prefill", action="store_true")
+        g.add_argument("--no-prefix-caching", action="store_true")
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb)
+        g.add_argument("--engine-seed", type=int, default=d.seed,
+                       help="seed of the engine's own generator (requests without a seed draw from it)")
+        g.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: PyTorch's choice)")
+        s = p.add_argument_group("speculative decoding")
+        spec = d.speculative
+        s.add_argument("--spec", default=spec.method,
+                       help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' (default: none)")
+        s.add_argument("--spec-tokens", type=int, default=spec.num_tokens,
+                       help="draft tokens per request per step (K)")
+        s.add_argument("--spec-width", type=int, default=spec.width, help="tree width where the drafter has one")
+        s.add_argument("--draft-model", default=spec.draft_model, help="model for --spec draft-model (same tokenizer)")
+        s.add_argument("--draft-layers", type=int, default=spec.draft_layers, help="layers for --spec layer-skip")
+        s.add_argument("--draft-stop-below", type=float, default=spec.draft_stop_below,
+                       help="model drafters stop a chain when their pick's probability is below this")
+
+    @classmethod
+    def from_cli(cls, a: argparse.Namespace) -> "EngineArgs":
+        return cls(
+            model=a.model, load_format=a.load_format, device=a.device, dtype=a.dtype, quantization=a.quantization,
+            attention_backend=a.attention_backend, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=not a.no_chunked_prefill,
+            block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, enable_prefix_caching=not a.no_prefix_caching,
+            seed=a.engine_seed, threads=a.threads,
+            speculative=SpecConfig(method=a.spec, num_tokens=a.spec_tokens, width=a.spec_width,
+                                   draft_model=a.draft_model, draft_layers=a.draft_layers,
+                                   draft_stop_below=a.draft_stop_below),
+        )
+
+    # -- what it builds ---------------------------------------------------------------------------
+
+    def engine_config(self, model: ModelConfig, max_model_len: int) -> EngineConfig:
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
+                              kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
+            max_model_len=max_model_len,
+            device=self.device,
+            dtype=parse_dtype(self.dtype),
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+        )

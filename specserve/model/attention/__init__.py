@@ -1,0 +1,31 @@
+"""Attention backends: `sdpa` (reference: torch SDPA over gathered blocks, any device) and
+`cpu-paged` (reads blocks in place, a native kernel built at first use)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specserve.model.attention.base import AttentionBackend, AttentionBatch, PlannedAttention
+
+logger = logging.getLogger("specserve.model")
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "cpu-paged")
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionBatch", "PlannedAttention", "make_backend"]
+
+
+def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """The backend `name` for this device; "auto" takes the in-place CPU kernel where it can be
+    built, else SDPA."""
+    from specserve.model.attention.cpu_paged import CpuPagedBackend
+    from specserve.model.attention.sdpa import SdpaBackend
+
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: unknown backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "cpu-paged" and device.type != "cpu":
+        raise ValueError(f"attention_backend: cpu-paged runs on the CPU, not on {device.type}")
+    if name == "cpu-paged" or (name == "auto" and device.type == "cpu" and CpuPagedBackend.available()):
+        return CpuPagedBackend(num_heads, num_kv_heads, head_dim)
+    return SdpaBackend(num_heads, num_kv_heads, head_dim)

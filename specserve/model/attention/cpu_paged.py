@@ -1,0 +1,137 @@
+"""Paged attention on the CPU that reads K/V blocks in place (csrc/paged_attention.c).
+
+Decodes, draft trees and prefill chunks over a cached prefix all go to one native call per
+layer; a prompt's first chunk (no cached prefix, causal) goes to SDPA's flash kernel on the new
+K/V directly, which needs no cache reads at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model import cpu_ops, native
+from specserve.model.attention.base import AttentionBackend, AttentionBatch, write_kv
+
+# A fresh causal prefill at least this long goes to SDPA (the native kernel is built for short queries).
+FRESH_SDPA_MIN = 32
+
+_I32 = ctypes.POINTER(ctypes.c_int32)
+
+
+def _kernels() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
+    lib = native.load("paged_attention").library
+    if lib is None:
+        return None
+    out = {}
+    for dtype, fn in ((torch.float32, lib.paged_attention_f32), (torch.bfloat16, lib.paged_attention_bf16)):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [
+            ctypes.c_float, ctypes.c_int64]
+        out[dtype] = fn
+    return out
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    slot_mapping: torch.Tensor
+    n_items: int  # items for the native kernel
+    q_start: torch.Tensor  # int32 [n_items]
+    q_len: torch.Tensor
+    ctx_len: torch.Tensor
+    tables: torch.Tensor  # int32, the items' block tables back to back
+    table_off: torch.Tensor  # int32 [n_items]
+    masks: torch.Tensor  # uint8, the tree masks back to back
+    mask_off: torch.Tensor  # int64 [n_items], -1 = causal
+    fresh: tuple[tuple[int, int], ...]  # (start, end) of prompts attended by SDPA on their new K/V
+
+
+class CpuPagedBackend(AttentionBackend):
+    name = "cpu-paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        kernels = _kernels()
+        if kernels is None:
+            raise RuntimeError(f"attention backend {self.name}: {native.load('paged_attention').reason}")
+        self._kernels = kernels
+
+    @staticmethod
+    def available() -> bool:
+        return native.load("paged_attention").library is not None
+
+    def plan(self, batch: AttentionBatch, device: torch.device) -> PagedMetadata:
+        q_start, q_len, ctx_len, table_off, mask_off = [], [], [], [], []
+        tables: list[int] = []
+        masks: list[torch.Tensor] = []
+        mask_pos = 0
+        fresh = []
+        bs = batch.block_size
+        for i in range(batch.num_items):
+            n, ctx, mask = batch.q_len[i], batch.ctx_len[i], batch.masks[i]
+            if ctx == n and mask is None and n >= FRESH_SDPA_MIN:
+                fresh.append((batch.q_start[i], batch.q_start[i] + n))
+                continue
+            q_start.append(batch.q_start[i])
+            q_len.append(n)
+            ctx_len.append(ctx)
+            table_off.append(len(tables))
+            tables.extend(batch.block_tables[i][: -(-ctx // bs)])
+            if mask is None:
+                mask_off.append(-1)
+            else:
+                mask_off.append(mask_pos)
+                masks.append(mask.reshape(-1).to(torch.uint8))
+                mask_pos += n * n
+
+        def i32(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int32)
+
+        return PagedMetadata(
+            slot_mapping=batch.slot_mapping, n_items=len(q_len), q_start=i32(q_start), q_len=i32(q_len),
+            ctx_len=i32(ctx_len), tables=i32(tables), table_off=i32(table_off),
+            masks=torch.cat(masks) if masks else torch.zeros(1, dtype=torch.uint8),
+            mask_off=torch.tensor(mask_off, dtype=torch.int64), fresh=tuple(fresh),
+        )
+
+    def native_metadata(self, meta: PagedMetadata) -> PagedMetadata | None:
+        return None if meta.fresh else meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedMetadata,
+    ) -> torch.Tensor:
+        if cpu_ops.fits(k, v) and k.stride(0) == v.stride(0) and cpu_ops.available():
+            cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] else (
+            q.float().contiguous())
+        out = torch.empty(q.shape, dtype=torch.float32)
+        if meta.n_items:
+            kernel = self._kernels.get(k_cache.dtype)
+            if kernel is None:
+                raise TypeError(f"attention backend {self.name}: no kernel for a {k_cache.dtype} KV cache")
+            rc = kernel(
+                q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), meta.n_items,
+                meta.q_start.data_ptr(), meta.q_len.data_ptr(), meta.ctx_len.data_ptr(), meta.tables.data_ptr(),
+                meta.table_off.data_ptr(), meta.masks.data_ptr(), meta.mask_off.data_ptr(),
+                self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], self.scale, q32.stride(0),
+            )
+            if rc != 0:
+                raise RuntimeError(f"attention backend {self.name}: kernel rejected the shapes (code {rc})")
+        for s, e in meta.fresh:
+            out[s:e] = F.scaled_dot_product_attention(
+                q32[s:e].transpose(0, 1)[None], k[s:e].float().transpose(0, 1)[None],
+                v[s:e].float().transpose(0, 1)[None], is_causal=True, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )[0].transpose(0, 1)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)

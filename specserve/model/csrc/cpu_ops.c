@@ -1,0 +1,72 @@
+/* Small CPU operations around attention, so a decode step is a few native calls per layer
+ * instead of a dozen tensor operations: writing new K/V into the paged cache, and the rotary
+ * embedding in place. Rows of k/v/x are `ld` floats apart (they may be views of fused q/k/v).
+ * Built by specserve.model.native. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Store new K/V (float32 [T, KVH, D]) at their cache slots, in the cache's dtype. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+void write_kv_f32(const float *k, const float *v, int64_t ld, float *k_cache, float *v_cache, const int64_t *slots,
+                  int T, int row) {
+    for (int t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * row, k + (int64_t)t * ld, sizeof(float) * row);
+        memcpy(v_cache + slots[t] * row, v + (int64_t)t * ld, sizeof(float) * row);
+    }
+}
+
+void write_kv_bf16(const float *k, const float *v, int64_t ld, uint16_t *k_cache, uint16_t *v_cache,
+                   const int64_t *slots, int T, int row) {
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < row; j++) {
+            k_cache[slots[t] * row + j] = f32_to_bf16(k[(int64_t)t * ld + j]);
+            v_cache[slots[t] * row + j] = f32_to_bf16(v[(int64_t)t * ld + j]);
+        }
+}
+
+/* Rotary embedding in place on the first n_heads heads of each row of x ([T, row_stride]
+ * floats; head h at offset h * D), rotate-half layout: (a, b) -> (a cos - b sin, b cos + a sin)
+ * with cos/sin [T, D] (the table rows for each token's position; both halves equal). */
+void rope_inplace(float *x, int T, int row_stride, int n_heads, int D, const float *cos, const float *sin) {
+    const int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < n_heads; h++) {
+            float *a = x + (int64_t)t * row_stride + h * D, *b = a + half;
+            for (int j = 0; j < half; j++) {
+                const float x0 = a[j], x1 = b[j];
+                a[j] = x0 * c[j] - x1 * s[j];
+                b[j] = x1 * c[j + half] + x0 * s[j + half];
+            }
+        }
+    }
+}
+
+/* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, rows of D floats (x and y may be the same). */
+void rms_norm(const float *x, const float *w, float *y, int T, int D, float eps) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (int64_t)t * D;
+        float *yr = y + (int64_t)t * D;
+        float ss = 0.0f;
+        for (int j = 0; j < D; j++) ss += xr[j] * xr[j];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int j = 0; j < D; j++) yr[j] = xr[j] * inv * w[j];
+    }
+}
+
+/* out[t, j] = silu(gu[t, j]) * gu[t, I + j]: the gated activation on a fused gate/up output. */
+void silu_mul(const float *gu, float *out, int T, int I) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+        for (int j = 0; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}

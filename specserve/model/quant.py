@@ -1,0 +1,468 @@
+"""Weights of the projections: dense, int8 or int4, and the kernel that multiplies by them.
+
+`--quantization` picks the precision (a user's choice: int8 and int4 are lossy):
+
+- none: the loaded dtype (float32 by default);
+- int8: symmetric, one scale per output channel;
+- int4: asymmetric in groups of 32 along the input (GGUF's Q4_1 rule: w = q * scale + min,
+  q in 0..15). A GGUF tensor already in Q4_0 or Q4_1 is taken from its own blocks, so the int4
+  weights are exactly the file's; anything else is quantized from the dequantized weights.
+  The LM head stays int8 in int4 mode (it is tied to the embedding in small models, and GGUFs
+  ship it in Q8_0).
+
+Which kernel runs a precision is chosen by measurement on the machine at hand (`KernelTuner`),
+among those the device offers: on CPU, float32 by `F.linear` or by oneDNN on a prepacked
+weight; int8/int4 by PyTorch's packed weight-only kernels with bfloat16 or float16 activations.
+On CUDA, int4 uses PyTorch's tinygemm kernel and int8 a dequantizing matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger("specserve.model")
+
+QUANTIZATIONS = ("none", "int8", "int4")
+GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """Unpacked int4 weights: w[n, k] = q[n, k] * scale[n, k // 32] + minimum[n, k // 32]."""
+
+    q: torch.Tensor  # [N, K] uint8, values 0..15
+    scale: torch.Tensor  # [N, K // 32] float32
+    minimum: torch.Tensor  # [N, K // 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (groups * self.scale[..., None] + self.minimum[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list["Int4Weight"]) -> "Int4Weight":
+        """Rows of several weights stacked (a fused projection)."""
+        return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.minimum for p in parts]))
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Weight:
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"quantization: int4 needs input sizes divisible by {GROUP_SIZE}; got a {n}x{k} weight")
+    groups = w.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    return Int4Weight(q, scale, lo)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """w[n, k] = q[n, k] * scale[n]."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    w = w.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return Int8Weight(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+
+# -- kernels: each an nn.Module computing x @ W^T (+ b) in x's dtype -----------------------------
+
+
+class DenseKernel(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDnnKernel(nn.Module):
+    """float32 on CPU: oneDNN's matmul on a weight reordered once into its blocked layout."""
+
+    PACK_BATCH_HINT = 32  # rows the layout is tuned for; measured to matter little between 8 and 2048
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.PACK_BATCH_HINT)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @staticmethod
+    def supported(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype == torch.float32
+                and torch.backends.mkldnn.is_available())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+class Int8PackKernel(nn.Module):
+    """int8 weights, per-channel scales, activations cast to `act` (CPU: aten's int8 kernel)."""
+
+    def __init__(self, w: Int8Weight, bias: torch.Tensor | None, act: torch.dtype) -> None:
+        super().__init__()
+        self.act = act
+        self.register_buffer("q", w.q.contiguous(), persistent=False)
+        self.register_buffer("scale", w.scale.to(act), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.act), self.q, self.scale)
+        y = y.to(x.dtype).view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8DequantKernel(nn.Module):
+    """int8 weights converted to x's dtype inside the matmul (any device; compiled, the conversion fuses)."""
+
+    def __init__(self, w: Int8Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q.contiguous(), persistent=False)
+        self.register_buffer("scale", w.scale, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def _scales_and_zeros(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """[K // 32, N, 2] (scale, zero) as PyTorch's int4 kernels take them: w = (q - 8) * scale + zero."""
+    zero = w.minimum + 8 * w.scale
+    return torch.stack([w.scale.t(), zero.t()], dim=-1).contiguous().to(dtype)
+
+
+class Int4PackCpuKernel(nn.Module):
+    """int4 weights, groups of 32, activations cast to `act` (aten's CPU int4 kernel)."""
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, act: torch.dtype) -> None:
+        super().__init__()
+        self.act = act
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 2)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("sz", _scales_and_zeros(w, act), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.act), self.packed,
+                                                        GROUP_SIZE, self.sz)
+        y = y.to(x.dtype).view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4PackCudaKernel(nn.Module):
+    """int4 weights on CUDA: PyTorch's tinygemm kernel (bfloat16 activations)."""
+
+    INNER_K_TILES = 8
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        q = w.q.to(torch.int32)
+        packed_bytes = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes.to(w.q.device), self.INNER_K_TILES)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("sz", _scales_and_zeros(w, torch.bfloat16), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @staticmethod
+    def supported(n: int, k: int) -> bool:
+        return n % 8 == 0 and k % (Int4PackCudaKernel.INNER_K_TILES * 16) == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
+                                               GROUP_SIZE, self.sz)
+        y = y.to(x.dtype).view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4DequantKernel(nn.Module):
+    """int4 weights dequantized inside every call: the fallback where no packed kernel runs."""
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("q", w.q, persistent=False)
+        self.register_buffer("scale", w.scale, persistent=False)
+        self.register_buffer("minimum", w.minimum, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = Int4Weight(self.q, self.scale, self.minimum).dequantize().to(x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+# -- native CPU kernels (csrc/gemm_small.c) --------------------------------------------------------
+
+_P = ctypes.c_void_p
+
+
+@functools.cache
+def _native() -> ctypes.CDLL | None:
+    from specserve.model import native
+
+    lib = native.load("gemm_small").library
+    if lib is None:
+        return None
+    i = ctypes.c_int
+    lib.gemm_f32.argtypes = [_P, i, i, _P, i, _P, _P]
+    lib.linear_i8q8.argtypes = [_P, i, i, _P, _P, i, _P, _P]
+    lib.linear_i4q8.argtypes = [_P, i, i, _P, _P, _P, i, _P, _P]
+    for fn in (lib.gemm_f32, lib.linear_i8q8, lib.linear_i4q8):
+        fn.restype = ctypes.c_int
+    lib.fake_quant_q8.argtypes = [_P, i, i, _P]
+    lib.dequant_i4.argtypes = [_P, _P, _P, i, i, _P]
+    lib.dequant_i8.argtypes = [_P, _P, i, i, _P]
+    for fn in (lib.fake_quant_q8, lib.dequant_i4, lib.dequant_i8):
+        fn.restype = None
+    return lib
+
+
+def native_available() -> bool:
+    return _native() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class _NativeKernel(nn.Module):
+    """float32 in and out on the CPU; subclasses call one function of csrc/gemm_small.c.
+
+    `large_rows`: from this many rows on, quantized kernels take the same numbers through a
+    float GEMM (`_run_large`); set by measurement (`crossover`), None = never.
+    """
+
+    out_features: int
+    large_rows: int | None = None
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def _run_large(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        if self.large_rows is not None and x.shape[0] >= self.large_rows:
+            return self._run_large(x)
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        rc = self._run(x, y)
+        if rc != 0:
+            raise RuntimeError(f"{type(self).__name__}: native kernel failed (code {rc})")
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():  # the decode path: no copies
+            return self._compute(x)
+        shape = x.shape
+        y = self._compute(x.reshape(-1, shape[-1]).to(torch.float32).contiguous())
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+class _QuantizedNative(_NativeKernel):
+    """Integer kernels for few rows; for many, the dequantized weights in a float GEMM on
+    activations rounded through int8 exactly as the integer path rounds them."""
+
+    bias: torch.Tensor | None
+
+    def _dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _run_large(self, x: torch.Tensor) -> torch.Tensor:
+        xr = torch.empty_like(x)
+        _native().fake_quant_q8(x.data_ptr(), x.shape[0], x.shape[1], xr.data_ptr())
+        return F.linear(xr, self._dequantized(), self.bias)
+
+    def crossover(self, time_rows: Callable[[nn.Module, int], float], rows: tuple[int, ...] = (8, 16, 32, 64, 128)) -> None:
+        """Set `large_rows` to the fewest rows at which the float GEMM path is faster (measured)."""
+        self.large_rows = None
+        for m in rows:
+            small = time_rows(self, m)
+            self.large_rows = m
+            large = time_rows(self, m)
+            if large < small:
+                return
+            self.large_rows = None
+
+
+class NativeF32Kernel(_NativeKernel):
+    """float32 weights, the register-tiled kernel for few rows (and not only few)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.register_buffer("weight", weight.detach().float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        n, k = self.weight.shape
+        return _native().gemm_f32(x.data_ptr(), x.shape[0], k, self.weight.data_ptr(), n, y.data_ptr(),
+                                  _ptr(self.bias))
+
+
+class NativeInt8Kernel(_QuantizedNative):
+    """int8 weights (per-channel scale) times activations quantized to int8 per block of 32."""
+
+    def __init__(self, w: Int8Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = w.q.shape[0]
+        self.register_buffer("q", w.q.contiguous(), persistent=False)
+        self.register_buffer("scale", w.scale.float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        n, k = self.q.shape
+        return _native().linear_i8q8(x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.scale.data_ptr(), n,
+                                     y.data_ptr(), _ptr(self.bias))
+
+    def _dequantized(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = torch.empty(n, k, dtype=torch.float32)
+        _native().dequant_i8(self.q.data_ptr(), self.scale.data_ptr(), n, k, w.data_ptr())
+        return w
+
+
+def pack_int4(w: Int4Weight) -> torch.Tensor:
+    """[N, K // 2] bytes in GGUF's Q4 layout: byte j of a group holds element j (low nibble) and
+    element j + 16 (high nibble)."""
+    n, k = w.q.shape
+    g = w.q.view(n, k // GROUP_SIZE, GROUP_SIZE)
+    return (g[..., :16] | (g[..., 16:] << 4)).contiguous().view(n, k // 2)
+
+
+class NativeInt4Kernel(_QuantizedNative):
+    """int4 weights (groups of 32) times activations quantized to int8 per block of 32."""
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = w.q.shape[0]
+        self.register_buffer("packed", pack_int4(w), persistent=False)
+        self.register_buffer("scale", w.scale.float().contiguous(), persistent=False)
+        self.register_buffer("minimum", w.minimum.float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        n = self.packed.shape[0]
+        return _native().linear_i4q8(x.data_ptr(), x.shape[0], self.packed.shape[1] * 2, self.packed.data_ptr(),
+                                     self.scale.data_ptr(), self.minimum.data_ptr(), n, y.data_ptr(),
+                                     _ptr(self.bias))
+
+    def _dequantized(self) -> torch.Tensor:
+        n, half = self.packed.shape
+        w = torch.empty(n, half * 2, dtype=torch.float32)
+        _native().dequant_i4(self.packed.data_ptr(), self.scale.data_ptr(), self.minimum.data_ptr(), n, half * 2,
+                             w.data_ptr())
+        return w
+
+
+# -- which kernels a device offers for a precision ------------------------------------------------
+
+KernelFactory = Callable[[], nn.Module]
+
+
+def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
+               int4: Int4Weight | None = None) -> dict[str, KernelFactory]:
+    """The kernels that can run `weight` (on its device) at `precision`, by name."""
+    device = weight.device.type
+    n, k = weight.shape
+    out: dict[str, KernelFactory] = {}
+    cpu32 = device == "cpu" and weight.dtype == torch.float32
+    if precision == "none":
+        out["dense"] = lambda: DenseKernel(weight, bias)
+        if OneDnnKernel.supported(weight):
+            out["onednn"] = lambda: OneDnnKernel(weight, bias)
+        if cpu32 and native_available():
+            out["native-f32"] = lambda: NativeF32Kernel(weight, bias)
+    elif precision == "int8":
+        q8 = quantize_int8(weight)
+        if cpu32 and native_available() and k % GROUP_SIZE == 0:
+            out["native-w8a8"] = lambda: NativeInt8Kernel(q8, bias)
+        elif device == "cpu":
+            out["aten-w8a16"] = lambda: Int8PackKernel(q8, bias, torch.bfloat16)
+        else:
+            out["int8-dequant"] = lambda: Int8DequantKernel(q8, bias)
+    elif precision == "int4":
+        q4 = int4 if int4 is not None else quantize_int4(weight)
+        if cpu32 and native_available():
+            out["native-w4a8"] = lambda: NativeInt4Kernel(q4, bias)
+        elif device == "cpu":
+            out["aten-w4a16"] = lambda: Int4PackCpuKernel(q4, bias, torch.bfloat16)
+        elif device == "cuda" and Int4PackCudaKernel.supported(n, k):
+            out["int4-tinygemm"] = lambda: Int4PackCudaKernel(q4, bias)
+        else:
+            out["int4-dequant"] = lambda: Int4DequantKernel(q4, bias)
+    else:
+        raise ValueError(f"quantization: unknown {precision!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    return out
+
+
+def gguf_int4(data: "object", tensor_type: str) -> Int4Weight | None:
+    """A GGUF tensor's own Q4_0/Q4_1 blocks as int4 weights (exactly the file's values), or None
+    for other types. `data` is the reader's uint8 [rows, bytes per row] array."""
+    import numpy as np
+
+    if tensor_type not in ("Q4_0", "Q4_1"):
+        return None
+    raw = np.asarray(data, dtype=np.uint8)
+    block = 18 if tensor_type == "Q4_0" else 20
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if tensor_type == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+    else:
+        m = -8.0 * d  # Q4_0: w = d * (q - 8)
+        qs = blocks[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)  # element j, then j + 16, per block
+    return Int4Weight(torch.from_numpy(q.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(np.asarray(m)))
+
+
+def prepare_linears(
+    model: nn.Module,
+    precision: str,
+    choose: Callable[[str, tuple[int, int], torch.dtype, dict[str, KernelFactory]], tuple[str, nn.Module]],
+    int4_source: Callable[[str], Int4Weight | None] | None = None,
+) -> dict[str, str]:
+    """Give every projection (module with a `kernel` slot) the kernel `choose` picks for
+    `precision` (the LM head: int8 when the rest is int4), and drop the dense weights the kernel
+    no longer needs. Returns {module name: kernel name}."""
+    if precision not in QUANTIZATIONS:
+        raise ValueError(f"quantization: unknown {precision!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    shared = {id(p) for name, m in model.named_modules() if not hasattr(m, "kernel")
+              for p in m.parameters(recurse=False)}
+    chosen: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "kernel") or module.weight is None:
+            continue
+        own = "int8" if precision == "int4" and name == "lm_head" else precision
+        exact = int4_source(name) if own == "int4" and int4_source is not None else None
+        weight = module.weight.detach()
+        factories = candidates(own, weight, None if module.bias is None else module.bias.detach(), exact)
+        kernel_name, kernel = choose(own, tuple(weight.shape), weight.dtype, factories)
+        module.kernel = kernel
+        chosen[name] = kernel_name
+        if id(module.weight) not in shared:  # tied to the embedding: the embedding still needs it
+            del module.weight
+            module.register_parameter("weight", None)
+    return chosen

@@ -1,0 +1,149 @@
+"""Kernel choice by measurement: time each candidate kernel on the model's own shapes, at the row
+counts a step uses, on the machine at hand, and keep the fastest.
+
+Choices are cached per machine (CPU model and flags, or GPU name), PyTorch version and thread
+count, in cache_root()/kernel-choices.json, so a model loads without re-timing on a machine that
+has timed its shapes before. A candidate that raises is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specserve.model.native import cache_root, cpu_flags
+from specserve.model.quant import KernelFactory
+
+logger = logging.getLogger("specserve.model")
+
+# Rows a projection sees in a step: a decode, a few drafts, a small batch, a large batch.
+ROWS = (1, 4, 16, 64)
+
+
+def machine_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        model = platform.processor()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+        hw = f"{model}/{flags}/{torch.get_num_threads()}t"
+    return f"{hw}|torch {torch.__version__}"
+
+
+def _time(kernel: nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    """Median seconds of one call, from repeats long enough to be measured."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with torch.inference_mode():
+        for _ in range(2):
+            kernel(x)
+        sync()
+        start = time.perf_counter()
+        kernel(x)
+        sync()
+        once = max(time.perf_counter() - start, 1e-6)
+        reps = max(1, min(50, int(2e-3 / once)))
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(reps):
+                kernel(x)
+            sync()
+            samples.append((time.perf_counter() - start) / reps)
+    return sorted(samples)[len(samples) // 2]
+
+
+class KernelTuner:
+    """Picks, per (precision, shape, dtype), the candidate with the least time relative to the
+    best at each row count of ROWS (every row count weighs the same)."""
+
+    def __init__(self, device: torch.device, path: Path | None = None) -> None:
+        self.device = device
+        self.path = path if path is not None else cache_root() / "kernel-choices.json"
+        self.machine = machine_key(device)
+        self._choices = self._read()
+
+    def _read(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            merged = {**self._read(), **self._choices}
+            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not save kernel choices to %s: %s", self.path, e)
+
+    def choose(self, precision: str, shape: tuple[int, int], dtype: torch.dtype,
+               factories: dict[str, KernelFactory]) -> tuple[str, nn.Module]:
+        """The name of the fastest candidate and an instance of it."""
+        n, k = shape
+        key = f"{self.machine}|{precision}|{n}x{k}|{dtype}|{','.join(sorted(factories))}"
+        if len(factories) == 1:
+            name = next(iter(factories))
+            return name, self._crossover(key, factories[name](), k, dtype)
+        cached = self._choices.get(key)
+        if cached in factories:
+            try:
+                return cached, self._crossover(key, factories[cached](), k, dtype)
+            except Exception:  # noqa: BLE001 - re-time below
+                pass
+        built: dict[str, nn.Module] = {}
+        times: dict[str, list[float]] = {}
+        for name, make in factories.items():
+            try:
+                kernel = make()
+                times[name] = [_time(kernel, torch.randn(m, k, dtype=dtype, device=self.device), self.device)
+                               for m in ROWS]
+                built[name] = kernel
+            except Exception as e:  # noqa: BLE001 - a candidate this machine cannot run
+                logger.info("kernel %s unusable for %s %dx%d: %s", name, precision, n, k, e)
+        if not built:
+            raise RuntimeError(f"quantization: no kernel can run a {precision} {n}x{k} projection on {self.device}")
+        best = [min(t[i] for t in times.values()) for i in range(len(ROWS))]
+        name = min(times, key=lambda c: sum(t / b for t, b in zip(times[c], best)))
+        shown = ", ".join(f"{c} " + "/".join(f"{t * 1e3:.2f}" for t in times[c]) for c in times)
+        logger.info("%s %dx%d: %s ms at %s rows -> %s", precision, n, k, shown, "/".join(map(str, ROWS)), name)
+        self._choices[key] = name
+        self._write()
+        return name, self._crossover(key, built[name], k, dtype)
+
+    def _crossover(self, key: str, kernel: nn.Module, k: int, dtype: torch.dtype) -> nn.Module:
+        """For kernels with a second path for many rows, the row count from which it pays
+        (measured once per machine and shape)."""
+        crossover = getattr(kernel, "crossover", None)
+        if crossover is None:
+            return kernel
+        ckey = f"{key}|large_rows"
+        cached = self._choices.get(ckey)
+        if cached is not None:
+            kernel.large_rows = None if cached == "never" else int(cached)
+            return kernel
+        crossover(lambda kern, m: _time(kern, torch.randn(m, k, dtype=dtype, device=self.device), self.device))
+        self._choices[ckey] = "never" if kernel.large_rows is None else str(kernel.large_rows)
+        logger.info("%s: float GEMM from %s rows", key.split("|", 1)[1], self._choices[ckey])
+        self._write()
+        return kernel
