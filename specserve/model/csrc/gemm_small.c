@@ -215,7 +215,7 @@ int quantize_rows_q8(const float *x, int M, int K, int8_t *xq, float *xs, float 
     return 0;
 }
 
-#define MQ 4 /* activation rows per pass of the integer kernels */
+#define MQ 8 /* activation rows per pass of the integer kernels */
 
 #ifdef HAVE_AVX2
 static inline __m256 block_dot_u8s8(__m256i u, __m256i s) {
@@ -270,6 +270,36 @@ DEFINE_I4Q8(1)
 DEFINE_I4Q8(2)
 DEFINE_I4Q8(3)
 DEFINE_I4Q8(4)
+
+/* 5..8 rows in one pass (the weights are unpacked once for all of them): one accumulator per
+ * row, the rows themselves being independent chains. */
+#define DEFINE_I4Q8_WIDE(MT)                                                                         \
+    static void i4q8_row_##MT(const uint8_t *p, const float *sc, const float *mn, int K, const int8_t *xq, \
+                              const float *xs, const float *xsum, float *out) {                       \
+        const int G = K / 32;                                                                        \
+        __m256 a[MT];                                                                                \
+        float e[MT];                                                                                 \
+        for (int i = 0; i < MT; i++) {                                                               \
+            a[i] = _mm256_setzero_ps();                                                              \
+            e[i] = 0.0f;                                                                             \
+        }                                                                                            \
+        const __m128i lo_mask = _mm_set1_epi8(0x0F);                                                 \
+        for (int g = 0; g < G; g++) {                                                                \
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + g * 16));                       \
+            const __m256i q0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b0, 4), lo_mask), _mm_and_si128(b0, lo_mask)); \
+            const float s = sc[g], m = mn[g];                                                        \
+            for (int i = 0; i < MT; i++) {                                                           \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)i * K + g * 32)); \
+                a[i] = _mm256_fmadd_ps(block_dot_u8s8(q0, xv), _mm256_set1_ps(s * xs[i * G + g]), a[i]); \
+                e[i] += m * xsum[i * G + g];                                                         \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < MT; i++) out[i] = hsum(a[i]) + e[i];                                     \
+    }
+DEFINE_I4Q8_WIDE(5)
+DEFINE_I4Q8_WIDE(6)
+DEFINE_I4Q8_WIDE(7)
+DEFINE_I4Q8_WIDE(8)
 #endif
 
 static void i4q8_row(const uint8_t *p, const float *sc, const float *mn, int K, const int8_t *xq,
@@ -279,7 +309,11 @@ static void i4q8_row(const uint8_t *p, const float *sc, const float *mn, int K, 
         case 1: i4q8_row_1(p, sc, mn, K, xq, xs, xsum, out); return;
         case 2: i4q8_row_2(p, sc, mn, K, xq, xs, xsum, out); return;
         case 3: i4q8_row_3(p, sc, mn, K, xq, xs, xsum, out); return;
-        default: i4q8_row_4(p, sc, mn, K, xq, xs, xsum, out); return;
+        case 4: i4q8_row_4(p, sc, mn, K, xq, xs, xsum, out); return;
+        case 5: i4q8_row_5(p, sc, mn, K, xq, xs, xsum, out); return;
+        case 6: i4q8_row_6(p, sc, mn, K, xq, xs, xsum, out); return;
+        case 7: i4q8_row_7(p, sc, mn, K, xq, xs, xsum, out); return;
+        default: i4q8_row_8(p, sc, mn, K, xq, xs, xsum, out); return;
     }
 #else
     const int G = K / 32;
