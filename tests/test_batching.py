@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.engine import LLMEngine
@@ -111,3 +112,16 @@ def test_seeded_sampling_is_batch_invariant(tiny_llama: Path) -> None:
     preempting = LLM(str(tiny_llama), num_kv_blocks=20, block_size=4)
     outs = preempting.generate([prompt] + random_prompts(5, seed=10), [params] + [other] * 5, use_tqdm=False)
     assert outs[0].token_ids == alone
+
+
+def test_runner_returns_the_hidden_states_behind_the_logits(tiny_llama) -> None:
+    """The forward gives back, with the logits, the final-normed hidden states they were computed
+    from (what a learned drafter drafts from): the LM head of those rows is those logits."""
+    from specserve.engine.model_runner import ForwardItem
+
+    llm = LLM(str(tiny_llama))
+    runner = llm.engine.runner
+    out = runner.run([ForwardItem([0], 0, [5, 6, 7], logits="all"), ForwardItem([1], 0, [8, 9], logits="last")])
+    assert out.rows == [(0, 3), (3, 1)]
+    assert out.hidden.shape == (4, llm.engine.model.config.hidden_size)
+    torch.testing.assert_close(llm.engine.model.compute_logits(out.hidden), out.logits)

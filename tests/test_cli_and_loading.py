@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 from specserve import LLM, SamplingParams
 
@@ -83,3 +85,40 @@ def test_gguf_is_converted_once_and_reused(bundled_model_dir: Path) -> None:
     assert convert_gguf(find_bundled_gguf("smollm2-135m")) == bundled_model_dir
     assert (bundled_model_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
     assert (bundled_model_dir / "tokenizer.json").is_file()
+
+
+def test_engine_args_name_bad_options(tiny_llama: Path) -> None:
+    """One definition of the engine options: unknown names and bad values are errors naming the
+    option, for LLM(...) as on the command line."""
+    from specserve.entrypoints.engine_args import EngineArgs
+
+    with pytest.raises(TypeError, match="unknown option.*no_such_option"):
+        LLM(str(tiny_llama), no_such_option=1)
+    for kwargs, field in ((dict(quantization="int3"), "quantization"), (dict(attention_backend="flash"),
+                          "attention_backend"), (dict(kv_cache_gb=0), "kv_cache_gb"), (dict(threads=0), "threads")):
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(model=str(tiny_llama), **kwargs)
+
+
+def test_the_command_line_and_llm_share_engine_args() -> None:
+    """Every engine option of generate is an option of serve and of the benches, with the same default."""
+    from specserve.cli import build_parser
+    from specserve.entrypoints.engine_args import EngineArgs
+
+    parser = build_parser()
+    for argv in (["generate", "x"], ["chat"], ["serve"], ["bench", "throughput"], ["bench", "spec"]):
+        args = EngineArgs.from_cli(parser.parse_args(argv))
+        assert args == EngineArgs()
+
+
+def test_auto_quantization_follows_what_was_shipped(tiny_llama: Path) -> None:
+    from specserve.model.loader import resolve_quantization
+
+    assert resolve_quantization("auto", None) == "none"  # a Hugging Face directory: its float dtype
+    assert resolve_quantization("int8", None) == "int8"
+
+
+def test_auto_quantization_of_the_bundled_q4_1_is_int4(bundled_model_dir: Path) -> None:
+    from specserve.model.loader import find_bundled_gguf, resolve_quantization
+
+    assert resolve_quantization("auto", find_bundled_gguf("smollm2-135m")) == "int4"

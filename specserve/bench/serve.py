@@ -125,10 +125,18 @@ class RequestOptions:
     temperature: float = 0.0
     ignore_eos: bool = True
     include_usage: bool = True
+    chat: bool = False  # /v1/chat/completions with the prompt as one user message
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     def body(self, sample: Sample) -> dict[str, Any]:
-        body: dict[str, Any] = {"prompt": sample.prompt, "max_tokens": sample.output_len,
-                                "temperature": self.temperature, "stream": True}
+        body: dict[str, Any] = {"max_tokens": sample.output_len, "temperature": self.temperature, "stream": True}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": sample.prompt}]
+        else:
+            body["prompt"] = sample.prompt
         if self.model is not None:
             body["model"] = self.model
         if self.include_usage:
@@ -154,7 +162,8 @@ class LoadConfig:
     slo: SLO = SLO()
     show_progress: bool = True
     label: str = "requests"
-    api_key: str | None = None  # sent as "Authorization: Bearer KEY" (also for /metrics)
+    api_key: str | None = None
+    chat: bool = False  # send chat completions (the prompt as one user message)  # sent as "Authorization: Bearer KEY" (also for /metrics)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -205,7 +214,7 @@ class StreamingCompletion:
         usage: dict[str, Any] = {}
         start = time.perf_counter()
         try:
-            async with self._client.stream("POST", "/v1/completions", json=self._options.body(sample)) as resp:
+            async with self._client.stream("POST", self._options.path, json=self._options.body(sample)) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode("utf-8", "replace")
                     return RequestResult(False, prompt_len=prompt_len, error=f"HTTP {resp.status_code}: {body[:200]}")
@@ -223,7 +232,10 @@ class StreamingCompletion:
                         return RequestResult(False, prompt_len=prompt_len, error=f"stream error: {message}")
                     now = time.perf_counter()
                     choices = event.get("choices") or []
-                    piece = choices[0].get("text") if choices else None
+                    piece = None
+                    if choices:
+                        delta = choices[0].get("delta")
+                        piece = (delta or {}).get("content") if isinstance(delta, dict) else choices[0].get("text")
                     if piece:
                         chunk_times.append(now)
                         text.append(piece)
@@ -453,7 +465,8 @@ class LoadGenerator:
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, headers=headers) as client:
             model = cfg.model or await discover_model(client)
-            send = StreamingCompletion(client, RequestOptions(model, cfg.temperature, cfg.ignore_eos), self._count)
+            send = StreamingCompletion(client, RequestOptions(model, cfg.temperature, cfg.ignore_eos, chat=cfg.chat),
+                                       self._count)
             if cfg.warmup:
                 check = await send(Sample("Hello", 4))
                 if not check.ok:

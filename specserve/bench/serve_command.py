@@ -88,6 +88,11 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tokenizer", default=None,
                    help="model whose tokenizer measures lengths (default: the launched --model, else the bundled model)")
     d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--per-category", type=int, default=None,
+                   help="the first N prompts of every category, in file order (Spec-Bench: 13 categories)")
+    d.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="send /v1/completions with the raw prompt, or /v1/chat/completions with it as the user's "
+                        "message (the server applies its chat template)")
     d.add_argument("--output-len", type=int, default=None,
                    help="max_tokens for every request (default: the dataset's reference lengths; Spec-Bench: 256)")
     d.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default: inf = all at once)")
@@ -157,7 +162,7 @@ def _workload_section(a: argparse.Namespace, draw: Draw, load: LoadConfig, datas
                      f"total {sum(output_lens)}")
     lines.append(f"- arrivals: {'Poisson' if load.arrivals.burstiness == 1 else f'gamma, burstiness {load.arrivals.burstiness:g}'}"
                  f", max concurrency {load.max_concurrency or 'unlimited'}")
-    lines.append(f"- requests: streamed POST /v1/completions, temperature {load.temperature:g}, "
+    lines.append(f"- requests: streamed POST /v1/{'chat/' if load.chat else ''}completions, temperature {load.temperature:g}, "
                  f"ignore_eos {'on' if load.ignore_eos else 'off'}; SLO: {load.slo.describe()}")
     return "\n".join(lines)
 
@@ -191,15 +196,18 @@ def run_serve_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     plan, first_serve = _plan(a, rates)
     count_tokens = _token_counter(a, first_serve)
     dataset = open_dataset(a.dataset, Path(a.dataset_path) if a.dataset_path else None)
-    draw = dataset.sample(SampleSpec(num=a.num_prompts, seed=a.seed, output_len=a.output_len), count_tokens)
-    if len(draw.samples) < a.num_prompts:
+    if a.per_category is not None:
+        draw = dataset.sample(SampleSpec(seed=None, output_len=a.output_len, per_category=a.per_category), count_tokens)
+    else:
+        draw = dataset.sample(SampleSpec(num=a.num_prompts, seed=a.seed, output_len=a.output_len), count_tokens)
+    if a.per_category is None and len(draw.samples) < a.num_prompts:
         raise ValueError(f"num_prompts: {dataset.name} has only {len(draw.samples)} usable samples, "
                          f"{a.num_prompts} asked")
     print(f"# {dataset.name}: {describe(draw)}", flush=True)
     load = LoadConfig(base_url=a.base_url or "http://127.0.0.1", model=a.model_name, arrivals=arrivals,
                       max_concurrency=a.max_concurrency, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
                       request_timeout_s=a.timeout, scrape_metrics=not a.no_metrics, slo=slo,
-                      show_progress=not a.no_progress, api_key=a.api_key)
+                      show_progress=not a.no_progress, api_key=a.api_key, chat=a.endpoint == "chat")
 
     def show(point: SweepPoint) -> None:
         print(format_summary(point.run, f"{point.config} @ {rate_label(point.rate)} req/s"), flush=True)

@@ -175,7 +175,7 @@ class LLMEngine:
         if not batch.scheduled:
             return []
         views, drafts = self._propose(batch.scheduled)
-        logits, rows = self.runner.execute(batch.scheduled, drafts)
+        logits, rows = self.runner.execute(batch.scheduled, drafts)  # .hidden: for learned drafters
         verdicts = self._accept(batch.scheduled, drafts, logits, rows)
         outputs = []
         for i, item in enumerate(batch.scheduled):

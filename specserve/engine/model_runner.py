@@ -30,6 +30,24 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 
 @dataclass(frozen=True)
+class ForwardOutput:
+    """What one forward gives back.
+
+    logits: [R, vocab] float32 for the rows asked for
+    hidden: [R, hidden] the final-normed hidden states of those rows (what the LM head reads; a
+        learned drafter drafts from them)
+    rows: per item, (first row, number of rows) into both, or None when the item asked for none
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    rows: list[tuple[int, int] | None]
+
+    def __iter__(self):  # logits, rows = runner.run(...)
+        return iter((self.logits, self.rows))
+
+
+@dataclass(frozen=True)
 class ForwardItem:
     """One request's slice of a forward: new tokens written after `start` cached tokens.
 
@@ -61,13 +79,13 @@ class ModelRunner:
 
     def execute(
         self, batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree] | None = None
-    ) -> tuple[torch.Tensor, list[tuple[int, int] | None]]:
+    ) -> ForwardOutput:
         """Run one forward over a scheduled batch, with draft trees for some decodes.
 
-        drafts maps an index into `batch` to that request's draft tree. Returns float32 logits and,
-        per batch item, (first row, number of rows) into them, or None when the item does not
-        sample this step: one row for a plain step, 1 + len(tree) rows (root, then each node) for a
-        step carrying a draft.
+        drafts maps an index into `batch` to that request's draft tree. Returns float32 logits, the
+        hidden states they came from, and per batch item (first row, number of rows) into them, or
+        None when the item does not sample this step: one row for a plain step, 1 + len(tree) rows
+        (root, then each node) for a step carrying a draft.
         """
         drafts = drafts or {}
         items: list[ForwardItem] = []
@@ -90,15 +108,14 @@ class ModelRunner:
         return self.run(items)
 
     @torch.inference_mode()
-    def run(
-        self, items: list[ForwardItem], num_layers: int | None = None
-    ) -> tuple[torch.Tensor, list[tuple[int, int] | None]]:
+    def run(self, items: list[ForwardItem], num_layers: int | None = None) -> ForwardOutput:
         """Forward `items` through the model (or its first `num_layers` layers, as a self-drafter);
-        returns logits for the requested rows and each item's (first row, count) or None."""
+        returns logits and hidden states for the requested rows and each item's (first row, count)
+        or None."""
         input_ids, positions, slots, logit_idx, rows = self._flatten(items)
         attn = PlannedAttention(self.attention, self.attention.plan(self._attention_batch(items, slots), self.device))
-        hidden = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)
-        return self.model.compute_logits(hidden[logit_idx]), rows
+        hidden = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)[logit_idx]
+        return ForwardOutput(self.model.compute_logits(hidden), hidden, rows)
 
     def copy_slots(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
         """Copy K/V between logical slots of one request, in every layer: (src, dst) pairs."""

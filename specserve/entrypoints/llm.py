@@ -13,6 +13,7 @@ import torch
 from specserve.config import parse_dtype
 from specserve.engine.engine import LLMEngine
 from specserve.errors import InvalidRequestError
+from specserve.isa import bf16_works
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from specserve.model.loader import DEFAULT_MODEL, gguf_int4_source, load_model_files, resolve_quantization
 from specserve.model.quant import prepare_linears
@@ -94,6 +95,10 @@ class LLM:
         if args.threads:
             torch.set_num_threads(args.threads)
         torch_dtype = parse_dtype(args.dtype)
+        if torch_dtype == torch.bfloat16 and args.device == "cpu" and not bf16_works():
+            logger.warning("dtype: bfloat16 matmuls cannot run on this CPU (probed); using float32")
+            torch_dtype = torch.float32
+            self.args = args = args.with_(dtype="float32")
         net, tokenizer, limit = build_model(args.model, args.load_format, args.device, torch_dtype,
                                             args.max_model_len, args.seed, args.quantization)
         config = args.engine_config(net.config, limit)

@@ -1,0 +1,158 @@
+"""specserve against llama.cpp's llama-server on the same CPU, end to end through each server's
+OpenAI chat endpoint, interleaved request by request so that the machine's drift (CPU clocks,
+noisy neighbours) weighs on every configuration alike.
+
+    python benchmarks/vs_llamacpp.py --llama-bin /path/to/llama.cpp/build/bin \
+        --llama "q4_1=-m {gguf}" --llama "q4_1+ngram-mod=-m {gguf} --spec-type ngram-mod" \
+        --specserve "none=--spec none" --specserve "suffix=--spec suffix" --json out.json
+
+Workload: the first Spec-Bench question of each of the 13 categories (first turn), greedy,
+max_tokens 256 (ignore_eos, so every request decodes 256 tokens), one request at a time. The
+client is a plain streaming HTTP reader (no JSON parsing per chunk), so it takes as little of
+the 2 cores as possible. For each configuration: output tokens/s over all its requests, the
+median of its per-request tokens/s, and its ratio to the first configuration per request
+(median). `{gguf}` stands for the bundled model's GGUF file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specserve.bench.datasets import SampleSpec, open_dataset
+from specserve.model.loader import find_bundled_gguf
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Config:
+    name: str
+    argv: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+    seconds: list[float] = field(default_factory=list)
+
+    def start(self, log_dir: Path) -> None:
+        log = open(log_dir / f"{self.name}.log", "wb")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def chat(port: int, prompt: str, max_tokens: int) -> float:
+    """Seconds for one streamed chat completion, read to its end."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"port {port}: HTTP {resp.status}: {resp.read()[:200]!r}")
+    while resp.read(65536):
+        pass
+    seconds = time.perf_counter() - start
+    conn.close()
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-bin", type=Path, required=True, help="directory holding llama-server")
+    ap.add_argument("--llama", action="append", default=[], metavar="NAME=ARGS", help="a llama-server configuration")
+    ap.add_argument("--specserve", action="append", default=[], metavar="NAME=ARGS",
+                    help="a `specserve serve` configuration")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the 13 prompts")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--log-dir", type=Path, default=Path("bench_results/vs_llamacpp_logs"))
+    a = ap.parse_args()
+    gguf = str(find_bundled_gguf("smollm2-135m"))
+    configs: list[Config] = []
+    for spec in a.llama:
+        name, _, args = spec.partition("=")
+        port = free_port()
+        argv = [str(a.llama_bin / "llama-server"), *shlex.split(args.replace("{gguf}", gguf)), "-t", str(a.threads),
+                "-c", "4096", "-np", "1", "--port", str(port)]
+        configs.append(Config(f"llama.cpp {name}", argv, port))
+    for spec in a.specserve:
+        name, _, args = spec.partition("=")
+        port = free_port()
+        argv = [sys.executable, "-m", "specserve.cli", "serve", *shlex.split(args), "--threads", str(a.threads),
+                "--port", str(port), "--log-level", "warning"]
+        configs.append(Config(f"specserve {name}", argv, port))
+    if not configs:
+        ap.error("give at least one --llama or --specserve configuration")
+    samples = open_dataset("spec-bench", None).sample(SampleSpec(seed=None, per_category=1)).samples
+    a.log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for c in configs:  # one at a time: loading competes for the cores
+            c.start(a.log_dir)
+            c.wait_ready()
+        for c in configs:
+            chat(c.port, "Hello", 8)  # warm-up
+        for r in range(a.rounds):
+            for i, s in enumerate(samples):
+                for c in configs:
+                    c.seconds.append(chat(c.port, s.prompt, a.max_tokens))
+                print(f"round {r + 1} prompt {i + 1}/{len(samples)} done", file=sys.stderr, flush=True)
+    finally:
+        for c in configs:
+            c.stop()
+    base = configs[0]
+    rows = []
+    for c in configs:
+        rates = [a.max_tokens / t for t in c.seconds]
+        ratios = [b / t for b, t in zip(base.seconds, c.seconds)]
+        rows.append({"config": c.name, "command": shlex.join(c.argv), "requests": len(c.seconds),
+                     "tokens_per_s": round(a.max_tokens * len(c.seconds) / sum(c.seconds), 2),
+                     "median_request_tokens_per_s": round(statistics.median(rates), 2),
+                     f"median_ratio_vs_{base.name}": round(statistics.median(ratios), 3)})
+    width = max(len(r["config"]) for r in rows)
+    print(f"{'config':<{width}}  tok/s   median req tok/s   ratio vs {base.name}")
+    for r in rows:
+        print(f"{r['config']:<{width}}  {r['tokens_per_s']:6.1f}   {r['median_request_tokens_per_s']:15.1f}   "
+              f"{r[f'median_ratio_vs_{base.name}']:.3f}")
+    if a.json is not None:
+        a.json.write_text(json.dumps({"rows": rows, "max_tokens": a.max_tokens, "threads": a.threads,
+                                      "prompts": len(samples), "rounds": a.rounds}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
