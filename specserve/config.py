@@ -220,6 +220,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_bytes when set
     kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    dtype: torch.dtype | None = None  # of the cached K/V; None: the model's dtype
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -83,7 +83,7 @@ def test_greedy_64_tokens_match_transformers(tiny_model_factory, name: str, arch
 def test_bundled_smollm2_matches_transformers(bundled_model_dir: Path) -> None:
     """The GGUF-converted SmolLM2: same logits and the same 64 greedy tokens as transformers."""
     ref_model = hf_model(bundled_model_dir)
-    llm = LLM("smollm2-135m")
+    llm = LLM("smollm2-135m", quantization="none")  # the float32 reference
     tok = llm.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
     for text in prompts:
@@ -111,7 +111,7 @@ def test_gguf_conversion_matches_transformers_own_gguf_loader(bundled_model_dir:
     ref_model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
-    llm = LLM("smollm2-135m")
+    llm = LLM("smollm2-135m", quantization="none")  # the float32 reference
     ids = llm.tokenizer("The quick brown fox jumps over the lazy dog because").input_ids
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]

@@ -86,13 +86,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
         cache = config.cache
+        kv_dtype = cache.dtype or config.dtype
         num_blocks = cache.num_blocks or max(
-            1, cache.kv_cache_bytes // kv_bytes_per_block(model, cache.block_size, config.dtype)
+            1, cache.kv_cache_bytes // kv_bytes_per_block(model, cache.block_size, kv_dtype)
         )
         self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        kv = allocate_kv_cache(model, num_blocks, cache.block_size, config.dtype, self.device)
+        kv = allocate_kv_cache(model, num_blocks, cache.block_size, kv_dtype, self.device)
         cfg = model.config
-        attention = make_backend(config.attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        attention = make_backend(config.attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 kv_dtype)
         self.runner = ModelRunner(model, kv, cache.block_size, self.device, attention)
         self.sampler = Sampler(self.device, config.seed)
         self.verifier = Verifier(self.sampler.generator)

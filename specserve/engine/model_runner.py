@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -12,15 +14,24 @@ from specserve.model.llama import KVCache, LlamaForCausalLM
 from specserve.spec.tree import DraftTree
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost memory only where written: on the CPU an anonymous mapping, whose pages the
+    kernel hands out zero-filled on first touch (torch.zeros would touch all of them now)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 def allocate_kv_cache(
     model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCache:
+    """Per layer (K, V) [num_blocks, block_size, KVH, D]; a block's memory is committed when first
+    written, so a large cache costs what the requests use."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+    return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:

@@ -8,6 +8,8 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import torch
+
 from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
 from specserve.model.attention import ATTENTION_BACKENDS
 from specserve.model.loader import DEFAULT_MODEL, LOAD_FORMATS
@@ -34,6 +36,8 @@ class EngineArgs:
     quantization: auto | none | int8 | int4. auto takes the precision the weights were shipped
         in: a GGUF whose projections are Q4_0/Q4_1 runs int4 (from its own blocks, exactly),
         Q8_0 runs int8; anything else runs the float dtype (none).
+    kv_cache_dtype: auto | float32 | bfloat16 | float16. auto: bfloat16 on the CPU with int8/int4
+        weights (half the memory of float32), else the model's dtype.
     attention_backend: auto | sdpa | cpu-paged (auto: the in-place CPU kernel where it builds).
     threads: CPU threads for PyTorch and the native kernels (None: PyTorch's default).
     """
@@ -50,7 +54,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float = 0.5
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int | None = None
@@ -66,6 +71,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.kv_cache_dtype != "auto":
+            parse_dtype(self.kv_cache_dtype)
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb: must be positive, got {self.kv_cache_gb}")
         if self.threads is not None and self.threads < 1:
@@ -102,6 +109,8 @@ class EngineArgs:
         g.add_argument("--no-prefix-caching", action="store_true")
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb)
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       help="auto (bfloat16 on CPU with int8/int4 weights, else --dtype), float32, bfloat16, float16")
         g.add_argument("--engine-seed", type=int, default=d.seed,
                        help="seed of the engine's own generator (requests without a seed draw from it)")
         g.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: PyTorch's choice)")
@@ -123,7 +132,8 @@ class EngineArgs:
             model=a.model, load_format=a.load_format, device=a.device, dtype=a.dtype, quantization=a.quantization,
             attention_backend=a.attention_backend, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=not a.no_chunked_prefill,
-            block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, enable_prefix_caching=not a.no_prefix_caching,
+            block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, kv_cache_dtype=a.kv_cache_dtype,
+            enable_prefix_caching=not a.no_prefix_caching,
             seed=a.engine_seed, threads=a.threads,
             speculative=SpecConfig(method=a.spec, num_tokens=a.spec_tokens, width=a.spec_width,
                                    draft_model=a.draft_model, draft_layers=a.draft_layers,
@@ -132,12 +142,20 @@ class EngineArgs:
 
     # -- what it builds ---------------------------------------------------------------------------
 
-    def engine_config(self, model: ModelConfig, max_model_len: int) -> EngineConfig:
+    def kv_dtype(self, precision: str) -> torch.dtype:
+        """The KV cache dtype, given the weights' resolved precision."""
+        if self.kv_cache_dtype != "auto":
+            return parse_dtype(self.kv_cache_dtype)
+        if self.device == "cpu" and precision in ("int8", "int4"):
+            return torch.bfloat16
+        return parse_dtype(self.dtype)
+
+    def engine_config(self, model: ModelConfig, max_model_len: int, precision: str = "none") -> EngineConfig:
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
                               kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching, dtype=self.kv_dtype(precision)),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       enable_chunked_prefill=self.enable_chunked_prefill),

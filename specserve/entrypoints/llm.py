@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import zlib
@@ -30,10 +31,10 @@ logger = logging.getLogger("specserve")
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
     quantization: str = "none",
-) -> tuple[LlamaForCausalLM, Any, int]:
+) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped); returns (model, tokenizer or None,
-    max_model_len)."""
+    max_model_len, the precision the weights run in)."""
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -43,17 +44,21 @@ def build_model(
         )
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_positions=limit)
-    net = net.to(dtype=dtype).to_empty(device=device)
-    net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling).to(device)
-    if cfg.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
     if loaded.state_dict is None:
+        net = net.to(dtype=dtype).to_empty(device=device)
         _init_random(net, seed)
     else:
-        missing, unexpected = net.load_state_dict(loaded.state_dict, strict=False)
+        # assign: the loaded tensors become the parameters, no other copy is ever made
+        state = {k: v.to(device=device, dtype=dtype) for k, v in loaded.state_dict.items()}
+        missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
+        del state
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"model: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    loaded = dataclasses.replace(loaded, state_dict=None)
     net.eval()
     precision = resolve_quantization(quantization, loaded.gguf_path)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
@@ -62,7 +67,17 @@ def build_model(
     logger.info("%s: %s weights; kernels: %s", model, precision,
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
-    return net, tokenizer, limit
+    _return_freed_memory()
+    return net, tokenizer, limit, precision
+
+
+def _return_freed_memory() -> None:
+    """Give the float weights freed by quantization back to the OS (glibc keeps freed heap
+    memory otherwise, and the process's resident size would stay at its loading peak)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @torch.no_grad()
@@ -99,9 +114,9 @@ class LLM:
             logger.warning("dtype: bfloat16 matmuls cannot run on this CPU (probed); using float32")
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
-        net, tokenizer, limit = build_model(args.model, args.load_format, args.device, torch_dtype,
-                                            args.max_model_len, args.seed, args.quantization)
-        config = args.engine_config(net.config, limit)
+        net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
+                                                       args.max_model_len, args.seed, args.quantization)
+        config = args.engine_config(net.config, limit, precision)
         self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(args.speculative, args.model),
                                 draft_builder=self._build_draft)
 
@@ -113,8 +128,8 @@ class LLM:
     def _build_draft(self, name: str, max_model_len: int) -> tuple[LlamaForCausalLM, Any]:
         """A draft model for the draft-model drafter, loaded like the target (same precision rule)."""
         a = self.args
-        model, tokenizer, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
-                                          a.quantization)
+        model, tokenizer, _, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
+                                             a.quantization)
         return model, tokenizer
 
     @property

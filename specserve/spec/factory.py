@@ -90,9 +90,11 @@ def _draft_model(spec: SpecConfig, engine: "LLMEngine", gen: torch.Generator, dr
             f"{engine.model.config.vocab_size}"
         )
     bs = cfg.cache.block_size
-    num_blocks = max(16, cfg.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, cfg.dtype))
+    kv_dtype = cfg.cache.dtype or cfg.dtype
+    num_blocks = max(16, cfg.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, kv_dtype))
     mc = model.config
-    attention = make_backend(cfg.attention_backend, engine.device, mc.num_heads, mc.num_kv_heads, mc.head_dim)
-    kv = allocate_kv_cache(model, num_blocks, bs, cfg.dtype, engine.device)
+    attention = make_backend(cfg.attention_backend, engine.device, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             kv_dtype)
+    kv = allocate_kv_cache(model, num_blocks, bs, kv_dtype, engine.device)
     runner = ModelRunner(model, kv, bs, engine.device, attention)
     return DraftModelDrafter(runner, BlockManager(num_blocks, bs, enable_prefix_caching=False), gen, spec.draft_stop_below)

@@ -16,9 +16,10 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cpu-paged")
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionBatch", "PlannedAttention", "make_backend"]
 
 
-def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    """The backend `name` for this device; "auto" takes the in-place CPU kernel where it can be
-    built, else SDPA."""
+def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """The backend `name` for this device and KV cache dtype; "auto" takes the in-place CPU
+    kernel where it can be built (float32 or bfloat16 caches), else SDPA."""
     from specserve.model.attention.cpu_paged import CpuPagedBackend
     from specserve.model.attention.sdpa import SdpaBackend
 
@@ -26,6 +27,9 @@ def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: 
         raise ValueError(f"attention_backend: unknown backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     if name == "cpu-paged" and device.type != "cpu":
         raise ValueError(f"attention_backend: cpu-paged runs on the CPU, not on {device.type}")
-    if name == "cpu-paged" or (name == "auto" and device.type == "cpu" and CpuPagedBackend.available()):
+    if name == "cpu-paged" and kv_dtype not in CpuPagedBackend.KV_DTYPES:
+        raise ValueError(f"attention_backend: cpu-paged reads float32 or bfloat16 caches, not {kv_dtype}")
+    if name == "cpu-paged" or (name == "auto" and device.type == "cpu" and kv_dtype in CpuPagedBackend.KV_DTYPES
+                               and CpuPagedBackend.available()):
         return CpuPagedBackend(num_heads, num_kv_heads, head_dim)
     return SdpaBackend(num_heads, num_kv_heads, head_dim)

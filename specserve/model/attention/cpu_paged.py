@@ -51,6 +51,7 @@ class PagedMetadata:
 
 class CpuPagedBackend(AttentionBackend):
     name = "cpu-paged"
+    KV_DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -128,10 +129,10 @@ class CpuPagedBackend(AttentionBackend):
             )
             if rc != 0:
                 raise RuntimeError(f"attention backend {self.name}: kernel rejected the shapes (code {rc})")
-        for s, e in meta.fresh:
+        for s, e in meta.fresh:  # K/V as the cache holds them, as every later read will see them
+            ks, vs = k[s:e].to(k_cache.dtype).float(), v[s:e].to(v_cache.dtype).float()
             out[s:e] = F.scaled_dot_product_attention(
-                q32[s:e].transpose(0, 1)[None], k[s:e].float().transpose(0, 1)[None],
-                v[s:e].float().transpose(0, 1)[None], is_causal=True, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
+                q32[s:e].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], is_causal=True,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
             )[0].transpose(0, 1)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -143,6 +143,8 @@ class SdpaBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k_cache.dtype != k.dtype:  # attend to K/V as the cache holds them, as every later read will
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
         if len(meta.groups) == 1 and meta.groups[0].causal_range == (0, q.shape[0]):
             return self._causal(q, k, v)
         out = torch.empty_like(q)
