@@ -206,15 +206,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _native(self, kv_caches: KVCache, x: torch.Tensor) -> NativeDecoder | None:
-        """The native layer loop for these caches, when every layer can run there and the step is
-        small enough for the few-rows kernels (built once per KV cache)."""
+        """The native layer loop for these caches, when every layer can run there (built once per
+        KV cache)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or not kv_caches:
             return None
         key = kv_caches[0][0].data_ptr()
         if self._native_decoder is None or self._native_decoder[0] != key:
             self._native_decoder = (key, NativeDecoder.build(self, kv_caches))
         native = self._native_decoder[1]
-        return native if native is not None and x.shape[0] < native.max_rows else None
+        return native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -82,7 +82,7 @@ def _build(name: str) -> BuildResult:
     cc = find_compiler()
     if cc is None:
         return BuildResult(None, "no C compiler found; set $CC or install gcc")
-    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", f"-I{CSRC}", *isa_flags()]
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", f"-I{CSRC}", *isa_flags()]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:

@@ -1,9 +1,8 @@
-"""The decoder layers of a small step in one native call (csrc/decoder.c).
+"""The decoder layers of a step in one native call (csrc/decoder.c).
 
-Used for steps whose every projection runs a native kernel on its few-rows path and whose
-attention is the in-place CPU kernel with no fresh prompt in the batch (decodes, draft trees,
-short chunks): the hot path of decoding. It computes what the layer-by-layer Python path
-computes, with the same kernels, without the interpreter between them.
+Used when every projection runs a native kernel and attention is the in-place CPU kernel: the
+hot path of decoding, and prefill too. It computes what the layer-by-layer Python path computes,
+with the same kernels, without the interpreter between them.
 """
 
 from __future__ import annotations
@@ -42,29 +41,27 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def _linear(module: Any) -> tuple[_Linear, int] | None:
-    """The C description of a projection, and the rows from which it leaves the few-rows path."""
+def _linear(module: Any) -> _Linear | None:
+    """The C description of a projection (None: not a native kernel)."""
     k = getattr(module, "kernel", None)
-    limit = getattr(k, "large_rows", None) or 1 << 30
     bias = None if getattr(k, "bias", None) is None else k.bias.data_ptr()
     if isinstance(k, NativeInt4Kernel):
         n, half = k.packed.shape
-        return _Linear(2, n, half * 2, 0, k.packed.data_ptr(), k.scale.data_ptr(), k.minimum.data_ptr(), bias), limit
+        return _Linear(2, n, half * 2, 0, k.packed.data_ptr(), k.scale.data_ptr(), k.minimum.data_ptr(), bias)
     if isinstance(k, NativeInt8Kernel):
         n, kk = k.q.shape
-        return _Linear(1, n, kk, 0, k.q.data_ptr(), k.scale.data_ptr(), None, bias), limit
+        return _Linear(1, n, kk, 0, k.q.data_ptr(), k.scale.data_ptr(), None, bias)
     if isinstance(k, NativeF32Kernel):
         n, kk = k.weight.shape
-        return _Linear(0, n, kk, 0, k.weight.data_ptr(), None, None, bias), limit
+        return _Linear(0, n, kk, 0, k.weight.data_ptr(), None, None, bias)
     return None
 
 
 class NativeDecoder:
     """One model's layers as C structs, bound to one KV cache."""
 
-    def __init__(self, layers: ctypes.Array, max_rows: int, cfg: Any, kv_bf16: bool, eps: float) -> None:
+    def __init__(self, layers: ctypes.Array, cfg: Any, kv_bf16: bool, eps: float) -> None:
         self._layers = layers
-        self.max_rows = max_rows  # steps with more new tokens take the Python path
         self._cfg = cfg
         self._kv_bf16 = kv_bf16
         self._eps = eps
@@ -79,17 +76,15 @@ class NativeDecoder:
         if k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
             return None
         structs = (_Layer * len(model.layers))()
-        max_rows = 1 << 30
         for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_cache)):
             parts = [_linear(layer.self_attn.qkv_proj), _linear(layer.self_attn.o_proj),
                      _linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj)]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
                 return None
-            max_rows = min([max_rows] + [limit for _, limit in parts])  # type: ignore[misc]
-            structs[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *(p[0] for p in parts),  # type: ignore[index]
+            structs[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *parts,
                                 kc.data_ptr(), vc.data_ptr())
-        return NativeDecoder(structs, max_rows, model.config, k0.dtype == torch.bfloat16,
+        return NativeDecoder(structs, model.config, k0.dtype == torch.bfloat16,
                              model.layers[0].input_layernorm.eps)
 
     def __call__(self, x: torch.Tensor, num_layers: int, cos: torch.Tensor, sin: torch.Tensor, meta: Any,

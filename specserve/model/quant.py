@@ -231,10 +231,7 @@ def _native() -> ctypes.CDLL | None:
     for fn in (lib.gemm_f32, lib.linear_i8q8, lib.linear_i4q8):
         fn.restype = ctypes.c_int
     lib.fake_quant_q8.argtypes = [_P, i, i, _P]
-    lib.dequant_i4.argtypes = [_P, _P, _P, i, i, _P]
-    lib.dequant_i8.argtypes = [_P, _P, i, i, _P]
-    for fn in (lib.fake_quant_q8, lib.dequant_i4, lib.dequant_i8):
-        fn.restype = None
+    lib.fake_quant_q8.restype = None
     return lib
 
 
@@ -249,22 +246,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class _NativeKernel(nn.Module):
     """float32 in and out on the CPU; subclasses call one function of csrc/gemm_small.c.
 
-    `large_rows`: from this many rows on, quantized kernels take the same numbers through a
-    float GEMM (`_run_large`); set by measurement (`crossover`), None = never.
+    Every row is computed alone, in the same order of operations whatever the other rows: a
+    row's output does not depend on the batch it came in (speculation, chunking and preemption
+    change batches; the quantized kernels round activations to int8, where a last-bit difference
+    can move a whole quantization step, so "equal up to rounding" would not be equal).
     """
 
     out_features: int
-    large_rows: int | None = None
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
         raise NotImplementedError
 
-    def _run_large(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        if self.large_rows is not None and x.shape[0] >= self.large_rows:
-            return self._run_large(x)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         rc = self._run(x, y)
         if rc != 0:
@@ -277,32 +270,6 @@ class _NativeKernel(nn.Module):
         shape = x.shape
         y = self._compute(x.reshape(-1, shape[-1]).to(torch.float32).contiguous())
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
-
-
-class _QuantizedNative(_NativeKernel):
-    """Integer kernels for few rows; for many, the dequantized weights in a float GEMM on
-    activations rounded through int8 exactly as the integer path rounds them."""
-
-    bias: torch.Tensor | None
-
-    def _dequantized(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _run_large(self, x: torch.Tensor) -> torch.Tensor:
-        xr = torch.empty_like(x)
-        _native().fake_quant_q8(x.data_ptr(), x.shape[0], x.shape[1], xr.data_ptr())
-        return F.linear(xr, self._dequantized(), self.bias)
-
-    def crossover(self, time_rows: Callable[[nn.Module, int], float], rows: tuple[int, ...] = (8, 16, 32, 64, 128)) -> None:
-        """Set `large_rows` to the fewest rows at which the float GEMM path is faster (measured)."""
-        self.large_rows = None
-        for m in rows:
-            small = time_rows(self, m)
-            self.large_rows = m
-            large = time_rows(self, m)
-            if large < small:
-                return
-            self.large_rows = None
 
 
 class NativeF32Kernel(_NativeKernel):
@@ -320,7 +287,7 @@ class NativeF32Kernel(_NativeKernel):
                                   _ptr(self.bias))
 
 
-class NativeInt8Kernel(_QuantizedNative):
+class NativeInt8Kernel(_NativeKernel):
     """int8 weights (per-channel scale) times activations quantized to int8 per block of 32."""
 
     def __init__(self, w: Int8Weight, bias: torch.Tensor | None) -> None:
@@ -335,12 +302,6 @@ class NativeInt8Kernel(_QuantizedNative):
         return _native().linear_i8q8(x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.scale.data_ptr(), n,
                                      y.data_ptr(), _ptr(self.bias))
 
-    def _dequantized(self) -> torch.Tensor:
-        n, k = self.q.shape
-        w = torch.empty(n, k, dtype=torch.float32)
-        _native().dequant_i8(self.q.data_ptr(), self.scale.data_ptr(), n, k, w.data_ptr())
-        return w
-
 
 def pack_int4(w: Int4Weight) -> torch.Tensor:
     """[N, K // 2] bytes in GGUF's Q4 layout: byte j of a group holds element j (low nibble) and
@@ -350,7 +311,7 @@ def pack_int4(w: Int4Weight) -> torch.Tensor:
     return (g[..., :16] | (g[..., 16:] << 4)).contiguous().view(n, k // 2)
 
 
-class NativeInt4Kernel(_QuantizedNative):
+class NativeInt4Kernel(_NativeKernel):
     """int4 weights (groups of 32) times activations quantized to int8 per block of 32."""
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None) -> None:
@@ -366,13 +327,6 @@ class NativeInt4Kernel(_QuantizedNative):
         return _native().linear_i4q8(x.data_ptr(), x.shape[0], self.packed.shape[1] * 2, self.packed.data_ptr(),
                                      self.scale.data_ptr(), self.minimum.data_ptr(), n, y.data_ptr(),
                                      _ptr(self.bias))
-
-    def _dequantized(self) -> torch.Tensor:
-        n, half = self.packed.shape
-        w = torch.empty(n, half * 2, dtype=torch.float32)
-        _native().dequant_i4(self.packed.data_ptr(), self.scale.data_ptr(), self.minimum.data_ptr(), n, half * 2,
-                             w.data_ptr())
-        return w
 
 
 # -- which kernels a device offers for a precision ------------------------------------------------

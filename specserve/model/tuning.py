@@ -104,11 +104,11 @@ class KernelTuner:
         key = f"{self.machine}|{precision}|{n}x{k}|{dtype}|{','.join(sorted(factories))}"
         if len(factories) == 1:
             name = next(iter(factories))
-            return name, self._crossover(key, factories[name](), k, dtype)
+            return name, factories[name]()
         cached = self._choices.get(key)
         if cached in factories:
             try:
-                return cached, self._crossover(key, factories[cached](), k, dtype)
+                return cached, factories[cached]()
             except Exception:  # noqa: BLE001 - re-time below
                 pass
         built: dict[str, nn.Module] = {}
@@ -129,21 +129,4 @@ class KernelTuner:
         logger.info("%s %dx%d: %s ms at %s rows -> %s", precision, n, k, shown, "/".join(map(str, ROWS)), name)
         self._choices[key] = name
         self._write()
-        return name, self._crossover(key, built[name], k, dtype)
-
-    def _crossover(self, key: str, kernel: nn.Module, k: int, dtype: torch.dtype) -> nn.Module:
-        """For kernels with a second path for many rows, the row count from which it pays
-        (measured once per machine and shape)."""
-        crossover = getattr(kernel, "crossover", None)
-        if crossover is None:
-            return kernel
-        ckey = f"{key}|large_rows"
-        cached = self._choices.get(ckey)
-        if cached is not None:
-            kernel.large_rows = None if cached == "never" else int(cached)
-            return kernel
-        crossover(lambda kern, m: _time(kern, torch.randn(m, k, dtype=dtype, device=self.device), self.device))
-        self._choices[ckey] = "never" if kernel.large_rows is None else str(kernel.large_rows)
-        logger.info("%s: float GEMM from %s rows", key.split("|", 1)[1], self._choices[ckey])
-        self._write()
-        return kernel
+        return name, built[name]

@@ -1,8 +1,10 @@
 """Paged attention on the CPU that reads K/V blocks in place (csrc/paged_attention.c).
 
-Decodes, draft trees and prefill chunks over a cached prefix all go to one native call per
-layer; a prompt's first chunk (no cached prefix, causal) goes to SDPA's flash kernel on the new
-K/V directly, which needs no cache reads at all.
+Decodes, draft trees, prefill chunks and fresh prompts all go to one native call per layer,
+after the new K/V are written. A query row's result depends only on its own keys, visited a
+cache block at a time in position order: the same whether its keys arrived in this step or an
+earlier one, and whatever else is in the batch (SDPA on a fresh prompt's new K/V would be
+another order of sums, and chunking or preemption would then change a sequence's numbers).
 """
 
 from __future__ import annotations
@@ -11,13 +13,9 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specserve.model import cpu_ops, native
 from specserve.model.attention.base import AttentionBackend, AttentionBatch, write_kv
-
-# A fresh causal prefill at least this long goes to SDPA (the native kernel is built for short queries).
-FRESH_SDPA_MIN = 32
 
 _I32 = ctypes.POINTER(ctypes.c_int32)
 
@@ -46,7 +44,6 @@ class PagedMetadata:
     table_off: torch.Tensor  # int32 [n_items]
     masks: torch.Tensor  # uint8, the tree masks back to back
     mask_off: torch.Tensor  # int64 [n_items], -1 = causal
-    fresh: tuple[tuple[int, int], ...]  # (start, end) of prompts attended by SDPA on their new K/V
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -69,13 +66,9 @@ class CpuPagedBackend(AttentionBackend):
         tables: list[int] = []
         masks: list[torch.Tensor] = []
         mask_pos = 0
-        fresh = []
         bs = batch.block_size
         for i in range(batch.num_items):
             n, ctx, mask = batch.q_len[i], batch.ctx_len[i], batch.masks[i]
-            if ctx == n and mask is None and n >= FRESH_SDPA_MIN:
-                fresh.append((batch.q_start[i], batch.q_start[i] + n))
-                continue
             q_start.append(batch.q_start[i])
             q_len.append(n)
             ctx_len.append(ctx)
@@ -95,11 +88,11 @@ class CpuPagedBackend(AttentionBackend):
             slot_mapping=batch.slot_mapping, n_items=len(q_len), q_start=i32(q_start), q_len=i32(q_len),
             ctx_len=i32(ctx_len), tables=i32(tables), table_off=i32(table_off),
             masks=torch.cat(masks) if masks else torch.zeros(1, dtype=torch.uint8),
-            mask_off=torch.tensor(mask_off, dtype=torch.int64), fresh=tuple(fresh),
+            mask_off=torch.tensor(mask_off, dtype=torch.int64),
         )
 
     def native_metadata(self, meta: PagedMetadata) -> PagedMetadata | None:
-        return None if meta.fresh else meta
+        return meta
 
     def forward(
         self,
@@ -129,10 +122,4 @@ class CpuPagedBackend(AttentionBackend):
             )
             if rc != 0:
                 raise RuntimeError(f"attention backend {self.name}: kernel rejected the shapes (code {rc})")
-        for s, e in meta.fresh:  # K/V as the cache holds them, as every later read will see them
-            ks, vs = k[s:e].to(k_cache.dtype).float(), v[s:e].to(v_cache.dtype).float()
-            out[s:e] = F.scaled_dot_product_attention(
-                q32[s:e].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], is_causal=True,
-                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-            )[0].transpose(0, 1)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

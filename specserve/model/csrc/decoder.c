@@ -1,4 +1,4 @@
-/* The decoder layers of one small step (decodes, draft trees, short chunks) in one native call.
+/* The decoder layers of one step (decodes, draft trees, prefill chunks) in one native call.
  *
  * A decode step of a small model is a few hundred small operations; run one by one from Python
  * the interpreter costs as much as the arithmetic. This driver runs them back to back:
@@ -8,8 +8,7 @@
  *                    h = rms_norm(x); x += silu_mul(h Wgu) Wdown
  *
  * with the same kernels the Python path calls (gemm_small.c, paged_attention.c, cpu_ops.c), so
- * its numbers are that path's numbers. Steps with many rows (prefill chunks, which want a float
- * GEMM) and fresh prompts (SDPA) stay on the Python path.
+ * its numbers are that path's numbers.
  */
 #include "cpu_ops.c"
 #include "gemm_small.c"

@@ -271,30 +271,37 @@ DEFINE_I4Q8(2)
 DEFINE_I4Q8(3)
 DEFINE_I4Q8(4)
 
-/* 5..8 rows in one pass (the weights are unpacked once for all of them): one accumulator per
- * row, the rows themselves being independent chains. */
+/* 5..8 rows in one pass (the weights are unpacked once for all of them). The sums are those of
+ * the 1..4-row kernels bit for bit (even groups in one chain, odd groups in another, added at the
+ * end): a row's result must not depend on how many rows share its pass, because the next layer
+ * rounds it to int8 and a last-bit difference can move a whole quantization step. Two passes, one
+ * per chain, keep the accumulators in registers. */
 #define DEFINE_I4Q8_WIDE(MT)                                                                         \
     static void i4q8_row_##MT(const uint8_t *p, const float *sc, const float *mn, int K, const int8_t *xq, \
                               const float *xs, const float *xsum, float *out) {                       \
         const int G = K / 32;                                                                        \
-        __m256 a[MT];                                                                                \
-        float e[MT];                                                                                 \
-        for (int i = 0; i < MT; i++) {                                                               \
-            a[i] = _mm256_setzero_ps();                                                              \
-            e[i] = 0.0f;                                                                             \
-        }                                                                                            \
+        __m256 a[MT], even[MT];                                                                      \
+        float e[2][MT];                                                                              \
         const __m128i lo_mask = _mm_set1_epi8(0x0F);                                                 \
-        for (int g = 0; g < G; g++) {                                                                \
-            const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + g * 16));                       \
-            const __m256i q0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b0, 4), lo_mask), _mm_and_si128(b0, lo_mask)); \
-            const float s = sc[g], m = mn[g];                                                        \
+        for (int chain = 0; chain < 2; chain++) {                                                    \
             for (int i = 0; i < MT; i++) {                                                           \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)i * K + g * 32)); \
-                a[i] = _mm256_fmadd_ps(block_dot_u8s8(q0, xv), _mm256_set1_ps(s * xs[i * G + g]), a[i]); \
-                e[i] += m * xsum[i * G + g];                                                         \
+                a[i] = _mm256_setzero_ps();                                                          \
+                e[chain][i] = 0.0f;                                                                  \
             }                                                                                        \
+            for (int g = chain; g < G; g += 2) {                                                     \
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + g * 16));                   \
+                const __m256i q0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b0, 4), lo_mask), _mm_and_si128(b0, lo_mask)); \
+                const float s = sc[g], m = mn[g];                                                    \
+                for (int i = 0; i < MT; i++) {                                                       \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)i * K + g * 32)); \
+                    a[i] = _mm256_fmadd_ps(block_dot_u8s8(q0, xv), _mm256_set1_ps(s * xs[i * G + g]), a[i]); \
+                    e[chain][i] += m * xsum[i * G + g];                                              \
+                }                                                                                    \
+            }                                                                                        \
+            if (chain == 0)                                                                          \
+                for (int i = 0; i < MT; i++) even[i] = a[i];                                         \
         }                                                                                            \
-        for (int i = 0; i < MT; i++) out[i] = hsum(a[i]) + e[i];                                     \
+        for (int i = 0; i < MT; i++) out[i] = hsum(_mm256_add_ps(even[i], a[i])) + e[0][i] + e[1][i]; \
     }
 DEFINE_I4Q8_WIDE(5)
 DEFINE_I4Q8_WIDE(6)
@@ -419,11 +426,8 @@ int linear_i8q8(const float *x, int M, int K, const int8_t *Q, const float *scal
     return rc;
 }
 
-/* ---- for many rows (prefill chunks): the same numbers through a float GEMM ------------------
- * A GEMM on float32 is far faster than integer dot products once there are dozens of rows, so
- * large batches expand the weights to float32 once per call and round the activations through
- * int8 as the integer kernels do (x -> xs * xq): the products are those of the integer path, up
- * to summation order. */
+/* ---- the rounding the integer kernels apply, as floats (x -> xs * xq): tests compare the kernels
+ * with a float product of the dequantized weights and these activations. */
 
 void fake_quant_q8(const float *x, int M, int K, float *out) {
     const int G = K / 32;
@@ -444,20 +448,4 @@ void fake_quant_q8(const float *x, int M, int K, float *out) {
                 dst[j] = (float)r * d;
             }
         }
-}
-
-void dequant_i4(const uint8_t *P, const float *scale, const float *minimum, int N, int K, float *out) {
-    const int G = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-        expand_i4(P + (int64_t)n * (K / 2), scale + (int64_t)n * G, minimum + (int64_t)n * G, K, out + (int64_t)n * K);
-}
-
-void dequant_i8(const int8_t *Q, const float *scale, int N, int K, float *out) {
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        float *o = out + (int64_t)n * K;
-        expand_i8(Q + (int64_t)n * K, K, o);
-        for (int k = 0; k < K; k++) o[k] *= scale[n];
-    }
 }

@@ -3,10 +3,12 @@
  * One call attends every item of a forward: decodes (one query row), draft trees (a few rows
  * with an ancestor mask) and prefill chunks (many rows, causal), each over its own cached prefix
  * plus its new tokens. Work is split into tasks of (item, kv head, tile of query rows), run in
- * parallel with OpenMP; within a task the keys are visited a block at a time: scores for the
- * block, one online-softmax update (running max and sum) per query row and head, then the
- * block's values are accumulated. The query heads that share a KV head are done together, so
- * each key and value is read once per tile.
+ * parallel with OpenMP. Within a task, three passes: every score (keys read a block at a time)
+ * and each row's maximum; the softmax weights and their sum key by key in position order; the
+ * weighted values in the same order. No online rescaling: a row's result is the same sequence of
+ * float operations whatever the cache's block boundaries, the tile it shares, or whether its keys
+ * came in this step (a tree's accepted path, a chunk) or an earlier one. The query heads that share
+ * a KV head are done together, so each key and value is read once per tile.
  *
  * Layouts (row-major, contiguous):
  *   q:                  [T, H, D] float32, rows ldq floats apart (q may be a view of fused q/k/v)
@@ -39,20 +41,25 @@ typedef struct {
 } task_t;
 
 #define DEFINE_KERNEL(NAME, KV_T, LOAD)                                                             \
-    static void NAME##_task(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out,      \
-                            const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,      \
-                            const int32_t *tables, const int32_t *table_off, const uint8_t *masks,     \
-                            const int64_t *mask_off, int H, int KVH, int D, int BS, float scale,       \
-                            int64_t ldq, const task_t *t) {                                             \
+    static int NAME##_task(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out,       \
+                           const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,       \
+                           const int32_t *tables, const int32_t *table_off, const uint8_t *masks,      \
+                           const int64_t *mask_off, int H, int KVH, int D, int BS, float scale,        \
+                           int64_t ldq, const task_t *t) {                                              \
         const int rep = H / KVH, it = t->item, g = t->group;                                           \
         const int nq = q_len[it], ctx = ctx_len[it], cached = ctx - nq;                               \
         const int64_t moff = mask_off[it];                                                            \
         const int32_t *table = tables + table_off[it];                                                \
+        /* the last key any row of this tile may see */                                               \
+        const int last_row = t->row0 + t->rows - 1;                                                   \
+        const int kend = moff < 0 ? cached + last_row + 1 : ctx;                                     \
+        const int nblocks = (kend + BS - 1) / BS;                                                     \
         float qv[TILE_Q][rep][D];                                                                     \
         float acc[TILE_Q][rep][D];                                                                    \
         float m[TILE_Q][rep], l[TILE_Q][rep];                                                         \
-        float s[TILE_Q][rep][BS];                                                                     \
         float kf[BS][D];                                                                              \
+        float *s = (float *)malloc(sizeof(float) * (size_t)t->rows * rep * (kend > 0 ? kend : 1));   \
+        if (!s) return -2;                                                                            \
         for (int r = 0; r < t->rows; r++)                                                             \
             for (int j = 0; j < rep; j++) {                                                           \
                 const float *src = q + (int64_t)(q_start[it] + t->row0 + r) * ldq + (g * rep + j) * D; \
@@ -61,10 +68,7 @@ typedef struct {
                 m[r][j] = -INFINITY;                                                                  \
                 l[r][j] = 0.0f;                                                                       \
             }                                                                                         \
-        /* the last key any row of this tile may see */                                               \
-        int last_row = t->row0 + t->rows - 1;                                                         \
-        int kend = moff < 0 ? cached + last_row + 1 : ctx;                                           \
-        int nblocks = (kend + BS - 1) / BS;                                                           \
+        /* pass 1: every score, and each row's maximum */                                             \
         for (int b = 0; b < nblocks; b++) {                                                           \
             const int64_t base = ((int64_t)table[b] * BS) * KVH + g;                                  \
             const int p0 = b * BS;                                                                    \
@@ -83,57 +87,58 @@ typedef struct {
                         visible = moff < 0 ? (jj <= row) : (masks[moff + (int64_t)row * nq + jj] != 0); \
                     }                                                                                 \
                     for (int j = 0; j < rep; j++) {                                                   \
+                        float *sp = s + ((int64_t)r * rep + j) * kend + p;                            \
                         if (!visible) {                                                               \
-                            s[r][j][tk] = -INFINITY;                                                  \
+                            *sp = -INFINITY;                                                          \
                             continue;                                                                 \
                         }                                                                             \
                         float dot = 0.0f;                                                             \
                         _Pragma("omp simd reduction(+:dot)") for (int d = 0; d < D; d++) dot += qv[r][j][d] * kf[tk][d]; \
-                        s[r][j][tk] = dot;                                                            \
-                    }                                                                                 \
-                }                                                                                     \
-                for (int j = 0; j < rep; j++) {                                                       \
-                    float bmax = -INFINITY;                                                           \
-                    for (int tk = 0; tk < nk; tk++) bmax = s[r][j][tk] > bmax ? s[r][j][tk] : bmax;   \
-                    if (bmax == -INFINITY) { /* nothing visible here: add nothing */                  \
-                        for (int tk = 0; tk < nk; tk++) s[r][j][tk] = 0.0f;                           \
-                        continue;                                                                     \
-                    }                                                                                 \
-                    const float mnew = bmax > m[r][j] ? bmax : m[r][j];                               \
-                    const float corr = expf(m[r][j] - mnew);                                          \
-                    float sum = 0.0f;                                                                 \
-                    for (int tk = 0; tk < nk; tk++) {                                                 \
-                        const float e = s[r][j][tk] == -INFINITY ? 0.0f : expf(s[r][j][tk] - mnew);   \
-                        s[r][j][tk] = e;                                                              \
-                        sum += e;                                                                     \
-                    }                                                                                 \
-                    l[r][j] = l[r][j] * corr + sum;                                                   \
-                    m[r][j] = mnew;                                                                   \
-                    if (corr != 1.0f) {                                                               \
-                        _Pragma("omp simd") for (int d = 0; d < D; d++) acc[r][j][d] *= corr;         \
+                        *sp = dot;                                                                    \
+                        m[r][j] = dot > m[r][j] ? dot : m[r][j];                                      \
                     }                                                                                 \
                 }                                                                                     \
             }                                                                                         \
+        }                                                                                             \
+        /* pass 2: weights and their sum, key by key in position order */                            \
+        for (int r = 0; r < t->rows; r++)                                                             \
+            for (int j = 0; j < rep; j++) {                                                           \
+                float *sp = s + ((int64_t)r * rep + j) * kend;                                        \
+                float sum = 0.0f;                                                                     \
+                for (int p = 0; p < kend; p++) {                                                      \
+                    const float e = sp[p] == -INFINITY ? 0.0f : expf(sp[p] - m[r][j]);                \
+                    sp[p] = e;                                                                        \
+                    sum += e;                                                                         \
+                }                                                                                     \
+                l[r][j] = sum;                                                                        \
+            }                                                                                         \
+        /* pass 3: the weighted values, key by key in position order */                              \
+        for (int b = 0; b < nblocks; b++) {                                                           \
+            const int64_t base = ((int64_t)table[b] * BS) * KVH + g;                                  \
+            const int p0 = b * BS;                                                                    \
+            const int nk = (kend - p0) < BS ? (kend - p0) : BS;                                       \
             for (int tk = 0; tk < nk; tk++) {                                                         \
                 const KV_T *vp = v_cache + (base + (int64_t)tk * KVH) * D;                            \
                 for (int d = 0; d < D; d++) kf[tk][d] = LOAD(vp[d]);                                  \
             }                                                                                         \
             for (int r = 0; r < t->rows; r++)                                                         \
                 for (int j = 0; j < rep; j++) {                                                       \
-                    if (m[r][j] == -INFINITY) continue;                                               \
+                    const float *sp = s + ((int64_t)r * rep + j) * kend + p0;                         \
                     for (int tk = 0; tk < nk; tk++) {                                                 \
-                        const float w = s[r][j][tk];                                                  \
+                        const float w = sp[tk];                                                       \
                         if (w == 0.0f) continue;                                                      \
                         _Pragma("omp simd") for (int d = 0; d < D; d++) acc[r][j][d] += w * kf[tk][d]; \
                     }                                                                                 \
                 }                                                                                     \
         }                                                                                             \
+        free(s);                                                                                      \
         for (int r = 0; r < t->rows; r++)                                                             \
             for (int j = 0; j < rep; j++) {                                                           \
                 float *dst = out + ((int64_t)(q_start[it] + t->row0 + r) * H + g * rep + j) * D;      \
                 const float inv = l[r][j] > 0.0f ? 1.0f / l[r][j] : 0.0f;                             \
                 for (int d = 0; d < D; d++) dst[d] = acc[r][j][d] * inv;                              \
             }                                                                                         \
+        return 0;                                                                                     \
     }                                                                                                 \
                                                                                                       \
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out, int n_items,       \
@@ -155,11 +160,14 @@ typedef struct {
                     tasks[n].rows = (q_len[i] - r0) < TILE_Q ? (q_len[i] - r0) : TILE_Q;              \
                     n++;                                                                              \
                 }                                                                                     \
-        _Pragma("omp parallel for schedule(dynamic, 1)") for (int i = 0; i < n_tasks; i++)           \
-            NAME##_task(q, k_cache, v_cache, out, q_start, q_len, ctx_len, tables, table_off, masks,  \
-                        mask_off, H, KVH, D, BS, scale, ldq, &tasks[i]);                              \
+        int rc = 0;                                                                                   \
+        _Pragma("omp parallel for schedule(dynamic, 1) reduction(min:rc)") for (int i = 0; i < n_tasks; i++) { \
+            const int r = NAME##_task(q, k_cache, v_cache, out, q_start, q_len, ctx_len, tables, table_off, \
+                                      masks, mask_off, H, KVH, D, BS, scale, ldq, &tasks[i]);         \
+            rc = r < rc ? r : rc;                                                                     \
+        }                                                                                             \
         free(tasks);                                                                                  \
-        return 0;                                                                                     \
+        return rc;                                                                                    \
     }
 
 #define LOAD_F32(x) (x)
