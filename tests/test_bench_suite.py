@@ -611,3 +611,25 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
     assert md.count("python -m specserve.cli serve --model") == 4  # a fresh server per point
     png = (out / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_weight_bytes_counts_every_kernel_layout() -> None:
+    """The roofline's weight bytes: dense, oneDNN-blocked (no storage pointer) and quantized
+    kernels are all counted, each once."""
+    from torch import nn
+
+    from specserve.bench.throughput import _weight_bytes
+    from specserve.model.llama import Linear
+    from specserve.model.quant import NativeInt4Kernel, OneDnnKernel, native_available, quantize_int4
+
+    model = nn.ModuleList([Linear(64, 32), Linear(64, 32), Linear(64, 32)])
+    for m in model:
+        nn.init.normal_(m.weight)
+    want = 3 * 32 * 64 * 4
+    assert _weight_bytes(model) == want
+    if OneDnnKernel.supported(model[0].weight):
+        model[0].kernel = OneDnnKernel(model[0].weight.detach(), None)
+        assert _weight_bytes(model) == want  # the blocked copy replaces the dense one in the count
+    if native_available():
+        model[1].kernel = NativeInt4Kernel(quantize_int4(model[1].weight.detach()), None)
+        assert _weight_bytes(model) < want
