@@ -1,16 +1,15 @@
-/* Matrix products for the few rows a decode step has: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
- * with float32 activations and float32, int8 or int4 weights.
+/* Matrix products y[M, N] = x[M, K] @ W[N, K]^T (+ bias) on the CPU, float32 activations in and out.
  *
- * A decode step multiplies a handful of activation rows by every weight of the model once, so
- * its speed is how fast the weights stream from memory. The kernels walk the weight rows once,
- * four output columns at a time (split across OpenMP threads): quantized rows are first expanded
- * into float32 in a small L1 buffer, then a register-tiled micro-kernel multiplies the four rows
- * by every activation row, three at a time. The result is the float32 product with the
- * dequantized weights (up to summation order):
- *   int8: w[n, k] = q[n, k] * scale[n]                       (q int8)
- *   int4: w[n, k] = q[n, k] * scale[n, g] + minimum[n, g]    (q 0..15, groups g of 32 along k;
- *         packed as GGUF's Q4_1 blocks: byte j of a group holds element j in its low nibble and
- *         element j + 16 in its high nibble)
+ *   float32 weights (gemm_f32): the weight rows are walked once, four output columns at a time
+ *     (split across OpenMP threads), a register-tiled micro-kernel multiplying them by every
+ *     activation row, three at a time;
+ *   int8 / int4 weights (linear_i8q8 / linear_i4q8): activations rounded to int8 per block of 32,
+ *     integer dot products, see "integer kernels" below. The weights:
+ *       int8: w[n, k] = q[n, k] * scale[n]                       (q int8)
+ *       int4: w[n, k] = q[n, k] * scale[n, g] + minimum[n, g]    (q 0..15, groups g of 32 along k;
+ *             packed as GGUF's Q4_1 blocks: byte j of a group holds element j in its low nibble
+ *             and element j + 16 in its high nibble)
+ * Every output row is computed alone, in an order of operations that does not depend on M.
  * Built with AVX2/FMA where the CPU has them (plain C otherwise) by specserve.model.native.
  */
 #include <stdint.h>
@@ -22,7 +21,6 @@
 #endif
 
 #define NR 4         /* output columns per micro-kernel call */
-#define MAX_K 32768  /* widest input the expansion buffer takes */
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
@@ -84,7 +82,7 @@ DEFINE_MICRO(3)
 
 /* All M activation rows against nr (<= NR) float32 weight rows; results into columns n..n+nr. */
 static void rows_times_block(const float *x, int M, int K, const float *w, int64_t ldw, int nr, float *y,
-                             int N, int n, const float *scale, const float *bias) {
+                             int N, int n, const float *bias) {
     float out[NR][3];
     for (int i0 = 0; i0 < M; i0 += 3) {
         const int mt = min_int(3, M - i0);
@@ -94,45 +92,9 @@ static void rows_times_block(const float *x, int M, int K, const float *w, int64
         else micro_1(w, ldw, nr, xi, K, out);
         for (int r = 0; r < nr; r++)
             for (int i = 0; i < mt; i++) {
-                float v = out[r][i];
-                if (scale) v *= scale[n + r];
-                if (bias) v += bias[n + r];
-                y[(int64_t)(i0 + i) * N + n + r] = v;
+                y[(int64_t)(i0 + i) * N + n + r] = out[r][i] + (bias ? bias[n + r] : 0.0f);
             }
     }
-}
-
-static void expand_i8(const int8_t *q, int K, float *dst) {
-    int k = 0;
-#ifdef HAVE_AVX2
-    for (; k + 8 <= K; k += 8)
-        _mm256_storeu_ps(dst + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)))));
-#endif
-    for (; k < K; k++) dst[k] = (float)q[k];
-}
-
-static void expand_i4(const uint8_t *p, const float *sc, const float *mn, int K, float *dst) {
-    const int G = K / 32;
-#ifdef HAVE_AVX2
-    const __m128i lo_mask = _mm_set1_epi8(0x0F);
-    for (int g = 0; g < G; g++) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(p + g * 16));
-        const __m128i lo = _mm_and_si128(bytes, lo_mask);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), lo_mask);
-        const __m256 s = _mm256_set1_ps(sc[g]), z = _mm256_set1_ps(mn[g]);
-        float *d = dst + g * 32;
-        _mm256_storeu_ps(d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, z));
-        _mm256_storeu_ps(d + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, z));
-        _mm256_storeu_ps(d + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, z));
-        _mm256_storeu_ps(d + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, z));
-    }
-#else
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < 16; j++) {
-            dst[g * 32 + j] = (float)(p[g * 16 + j] & 0x0F) * sc[g] + mn[g];
-            dst[g * 32 + j + 16] = (float)(p[g * 16 + j] >> 4) * sc[g] + mn[g];
-        }
-#endif
 }
 
 /* ---- entry points -------------------------------------------------------------------------- */
@@ -140,43 +102,7 @@ static void expand_i4(const uint8_t *p, const float *sc, const float *mn, int K,
 int gemm_f32(const float *x, int M, int K, const float *W, int N, float *y, const float *bias) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n += NR)
-        rows_times_block(x, M, K, W + (int64_t)n * K, K, min_int(NR, N - n), y, N, n, NULL, bias);
-    return 0;
-}
-
-int gemm_i8(const float *x, int M, int K, const int8_t *Q, const float *scale, int N, float *y, const float *bias) {
-    if (K > MAX_K) return -1;
-#pragma omp parallel
-    {
-        float *buf = (float *)aligned_alloc(64, sizeof(float) * NR * ((K + 15) / 16 * 16));
-#pragma omp for schedule(static)
-        for (int n = 0; n < N; n += NR) {
-            const int nr = min_int(NR, N - n);
-            for (int r = 0; r < nr; r++) expand_i8(Q + (int64_t)(n + r) * K, K, buf + r * K);
-            rows_times_block(x, M, K, buf, K, nr, y, N, n, scale, bias);
-        }
-        free(buf);
-    }
-    return 0;
-}
-
-int gemm_i4(const float *x, int M, int K, const uint8_t *P, const float *scale, const float *minimum, int N,
-            float *y, const float *bias) {
-    if (K % 32 || K > MAX_K) return -1;
-    const int G = K / 32;
-#pragma omp parallel
-    {
-        float *buf = (float *)aligned_alloc(64, sizeof(float) * NR * ((K + 15) / 16 * 16));
-#pragma omp for schedule(static)
-        for (int n = 0; n < N; n += NR) {
-            const int nr = min_int(NR, N - n);
-            for (int r = 0; r < nr; r++)
-                expand_i4(P + (int64_t)(n + r) * (K / 2), scale + (int64_t)(n + r) * G, minimum + (int64_t)(n + r) * G,
-                          K, buf + r * K);
-            rows_times_block(x, M, K, buf, K, nr, y, N, n, NULL, bias);
-        }
-        free(buf);
-    }
+        rows_times_block(x, M, K, W + (int64_t)n * K, K, min_int(NR, N - n), y, N, n, bias);
     return 0;
 }
 
@@ -400,29 +326,37 @@ int gemm_i8q8(const int8_t *xq, const float *xs, int M, int K, const int8_t *Q, 
 }
 
 /* float32 activations in, quantized here (one call per projection instead of two) */
+typedef struct {
+    int8_t *xq;
+    float *xs, *xsum;
+} q8_rows_t;
+
+static int q8_rows(const float *x, int M, int K, q8_rows_t *r) {
+    r->xq = NULL;
+    if (K % 32) return -1;
+    const size_t G = (size_t)K / 32;
+    r->xq = (int8_t *)malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G);
+    if (!r->xq) return -2;
+    r->xs = (float *)(r->xq + (size_t)M * K);
+    r->xsum = r->xs + (size_t)M * G;
+    return quantize_rows_q8(x, M, K, r->xq, r->xs, r->xsum);
+}
+
 int linear_i4q8(const float *x, int M, int K, const uint8_t *P, const float *scale, const float *minimum, int N,
                 float *y, const float *bias) {
-    if (K % 32) return -1;
-    const int G = K / 32;
-    int8_t *xq = (int8_t *)malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G);
-    if (!xq) return -2;
-    float *xs = (float *)(xq + (size_t)M * K), *xsum = xs + (size_t)M * G;
-    quantize_rows_q8(x, M, K, xq, xs, xsum);
-    const int rc = gemm_i4q8(xq, xs, xsum, M, K, P, scale, minimum, N, y, bias);
-    free(xq);
+    q8_rows_t r;
+    int rc = q8_rows(x, M, K, &r);
+    if (rc == 0) rc = gemm_i4q8(r.xq, r.xs, r.xsum, M, K, P, scale, minimum, N, y, bias);
+    free(r.xq);
     return rc;
 }
 
 int linear_i8q8(const float *x, int M, int K, const int8_t *Q, const float *scale, int N, float *y,
                 const float *bias) {
-    if (K % 32) return -1;
-    const int G = K / 32;
-    int8_t *xq = (int8_t *)malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G);
-    if (!xq) return -2;
-    float *xs = (float *)(xq + (size_t)M * K), *xsum = xs + (size_t)M * G;
-    quantize_rows_q8(x, M, K, xq, xs, xsum);
-    const int rc = gemm_i8q8(xq, xs, M, K, Q, scale, N, y, bias);
-    free(xq);
+    q8_rows_t r;
+    int rc = q8_rows(x, M, K, &r);
+    if (rc == 0) rc = gemm_i8q8(r.xq, r.xs, M, K, Q, scale, N, y, bias);
+    free(r.xq);
     return rc;
 }
 
@@ -430,22 +364,8 @@ int linear_i8q8(const float *x, int M, int K, const int8_t *Q, const float *scal
  * with a float product of the dequantized weights and these activations. */
 
 void fake_quant_q8(const float *x, int M, int K, float *out) {
-    const int G = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < M; i++)
-        for (int g = 0; g < G; g++) {
-            const float *src = x + (int64_t)i * K + g * 32;
-            float *dst = out + (int64_t)i * K + g * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                const float a = src[j] < 0 ? -src[j] : src[j];
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-            for (int j = 0; j < 32; j++) {
-                const float v = src[j] * inv;
-                const int r = (int)(v + (v >= 0 ? 0.5f : -0.5f));
-                dst[j] = (float)r * d;
-            }
-        }
+    q8_rows_t r;
+    if (q8_rows(x, M, K, &r) == 0)
+        for (int64_t i = 0; i < (int64_t)M * K; i++) out[i] = (float)r.xq[i] * r.xs[i / 32];  /* K % 32 == 0 */
+    free(r.xq);
 }

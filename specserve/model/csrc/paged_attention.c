@@ -41,6 +41,14 @@ typedef struct {
 } task_t;
 
 #define DEFINE_KERNEL(NAME, KV_T, LOAD)                                                             \
+    /* nk keys (or values) of one KV head from one cache block, as float32 */                          \
+    static void NAME##_load(const KV_T *cache, int64_t base, int nk, int KVH, int D, float kf[][D]) {    \
+        for (int tk = 0; tk < nk; tk++) {                                                             \
+            const KV_T *src = cache + (base + (int64_t)tk * KVH) * D;                                 \
+            for (int d = 0; d < D; d++) kf[tk][d] = LOAD(src[d]);                                     \
+        }                                                                                             \
+    }                                                                                                 \
+                                                                                                      \
     static int NAME##_task(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out,       \
                            const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,       \
                            const int32_t *tables, const int32_t *table_off, const uint8_t *masks,      \
@@ -73,10 +81,7 @@ typedef struct {
             const int64_t base = ((int64_t)table[b] * BS) * KVH + g;                                  \
             const int p0 = b * BS;                                                                    \
             const int nk = (kend - p0) < BS ? (kend - p0) : BS;                                       \
-            for (int tk = 0; tk < nk; tk++) {                                                         \
-                const KV_T *kp = k_cache + (base + (int64_t)tk * KVH) * D;                            \
-                for (int d = 0; d < D; d++) kf[tk][d] = LOAD(kp[d]);                                  \
-            }                                                                                         \
+            NAME##_load(k_cache, base, nk, KVH, D, kf);                                                \
             for (int r = 0; r < t->rows; r++) {                                                       \
                 const int row = t->row0 + r;                                                          \
                 for (int tk = 0; tk < nk; tk++) {                                                     \
@@ -117,10 +122,7 @@ typedef struct {
             const int64_t base = ((int64_t)table[b] * BS) * KVH + g;                                  \
             const int p0 = b * BS;                                                                    \
             const int nk = (kend - p0) < BS ? (kend - p0) : BS;                                       \
-            for (int tk = 0; tk < nk; tk++) {                                                         \
-                const KV_T *vp = v_cache + (base + (int64_t)tk * KVH) * D;                            \
-                for (int d = 0; d < D; d++) kf[tk][d] = LOAD(vp[d]);                                  \
-            }                                                                                         \
+            NAME##_load(v_cache, base, nk, KVH, D, kf);                                                \
             for (int r = 0; r < t->rows; r++)                                                         \
                 for (int j = 0; j < rep; j++) {                                                       \
                     const float *sp = s + ((int64_t)r * rep + j) * kend + p0;                         \
