@@ -12,6 +12,10 @@ client is a plain streaming HTTP reader (no JSON parsing per chunk), so it takes
 the 2 cores as possible. For each configuration: output tokens/s over all its requests, the
 median of its per-request tokens/s, and its ratio to the first configuration per request
 (median). `{gguf}` stands for the bundled model's GGUF file.
+
+With `--in-process`, each specserve configuration is also run in this process after the servers
+stop (`LLM.chat` on the same prompts, same options, one at a time): the server's overhead per
+token is the ratio of the two.
 """
 
 from __future__ import annotations
@@ -91,6 +95,25 @@ def chat(port: int, prompt: str, max_tokens: int) -> float:
     return seconds
 
 
+def in_process_seconds(args: str, prompts: list[str], max_tokens: int, threads: int) -> list[float]:
+    """Seconds per prompt through LLM.chat with the options a server was given."""
+    from specserve import LLM, SamplingParams
+    from specserve.entrypoints.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    options, _ = parser.parse_known_args([*shlex.split(args), "--threads", str(threads)])
+    llm = LLM.from_engine_args(EngineArgs.from_cli(options))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    seconds = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bin", type=Path, required=True, help="directory holding llama-server")
@@ -100,6 +123,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the 13 prompts")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also time each specserve configuration through LLM.chat (the server's overhead)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=Path("bench_results/vs_llamacpp_logs"))
     a = ap.parse_args()
@@ -111,8 +136,10 @@ def main() -> None:
         argv = [str(a.llama_bin / "llama-server"), *shlex.split(args.replace("{gguf}", gguf)), "-t", str(a.threads),
                 "-c", "4096", "-np", "1", "--port", str(port)]
         configs.append(Config(f"llama.cpp {name}", argv, port))
+    in_process: dict[str, str] = {}
     for spec in a.specserve:
         name, _, args = spec.partition("=")
+        in_process[f"specserve {name}"] = args
         port = free_port()
         argv = [sys.executable, "-m", "specserve.cli", "serve", *shlex.split(args), "--threads", str(a.threads),
                 "--port", str(port), "--log-level", "warning"]
@@ -135,12 +162,16 @@ def main() -> None:
     finally:
         for c in configs:
             c.stop()
+    if a.in_process:
+        for name, args in in_process.items():
+            seconds = in_process_seconds(args, [s.prompt for s in samples] * a.rounds, a.max_tokens, a.threads)
+            configs.append(Config(f"{name} (LLM.chat)", [], 0, seconds=seconds))
     base = configs[0]
     rows = []
     for c in configs:
         rates = [a.max_tokens / t for t in c.seconds]
         ratios = [b / t for b, t in zip(base.seconds, c.seconds)]
-        rows.append({"config": c.name, "command": shlex.join(c.argv), "requests": len(c.seconds),
+        rows.append({"config": c.name, "command": shlex.join(c.argv) or "in process", "requests": len(c.seconds),
                      "tokens_per_s": round(a.max_tokens * len(c.seconds) / sum(c.seconds), 2),
                      "median_request_tokens_per_s": round(statistics.median(rates), 2),
                      f"median_ratio_vs_{base.name}": round(statistics.median(ratios), 3)})
