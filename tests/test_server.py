@@ -483,3 +483,34 @@ def test_sigterm_shuts_down_cleanly(spec_server: Server) -> None:
     assert spec_server.proc.wait(30) == 0, spec_server.log()
     log = spec_server.full_log()
     assert "engine stopped" in log and "Traceback" not in log, log
+
+
+def test_building_on_a_passing_thread_leaves_no_openmp_pool(tmp_path: Path) -> None:
+    """The server loads its model with build_on_passing_thread: the loader's OpenMP workers must be
+    gone once it returns, or libgomp throttles the engine thread's pool (see its docstring). Run in a
+    fresh process, so that pytest's own threads hold no pool; the last line checks the premise (a
+    parallel op run on the calling thread does leave workers behind)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: no OpenMP workers to leave behind")
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import os, torch\n"
+        "from specserve.server.engine_loop import build_on_passing_thread\n"
+        "torch.set_num_threads(2)\n"
+        "x = torch.randn(1 << 22)\n"
+        "def threads(): return len(os.listdir('/proc/self/task'))\n"
+        "before = threads()\n"
+        "assert build_on_passing_thread(lambda: float(x.exp().sum())) > 0\n"
+        "after_helper = threads()\n"
+        "float(x.exp().sum())\n"
+        "print(before, after_helper, threads())\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True)
+    before, after_helper, after_direct = map(int, out.stdout.split())
+    assert after_helper == before, "the loader thread's OpenMP pool outlived it"
+    assert after_direct > before, "premise: a parallel op on this thread keeps worker threads"

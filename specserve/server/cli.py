@@ -82,8 +82,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach this address can generate and "
                        "read /metrics; set --api-key or $%s", a.host, API_KEY_ENV)
     from specserve.entrypoints.llm import LLM
+    from specserve.server.engine_loop import build_on_passing_thread
 
-    llm = LLM.from_engine_args(EngineArgs.from_cli(a))
+    engine_args = EngineArgs.from_cli(a)
+    llm = build_on_passing_thread(lambda: LLM.from_engine_args(engine_args))
     limits, backlog = fit_to_fd_limit(limits)  # after the model: its files and threads hold descriptors too
     guard = ConnectionGuard(limits)
     app = create_app(llm, options, guard)

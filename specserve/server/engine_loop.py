@@ -6,11 +6,14 @@ an inbox of commands (a deque plus a `threading.Event` the thread sleeps on when
 and per-step outputs come back with `loop.call_soon_threadsafe` into asyncio futures and
 per-request queues. After every pass the thread publishes an immutable `EngineSnapshot` for
 `/metrics` and for admission control.
+
+Build the engine with `build_on_passing_thread`, not on the event loop's thread: see there why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections import deque
@@ -45,6 +48,20 @@ class ServerShuttingDown(EngineError):
 
 class GenerationFailed(EngineError):
     """This request alone failed in the engine (e.g. its sampling numbers broke down); the others go on."""
+
+
+def build_on_passing_thread(build: Callable[[], T]) -> T:
+    """`build()` run on a thread that ends before this returns (for loading a model to serve).
+
+    GNU OpenMP (PyTorch's, and the native kernels') gives every thread that starts a parallel
+    region a pool of worker threads of its own, kept until that thread ends. Once the process holds
+    more pool threads than CPUs, libgomp throttles every pool: idle workers sleep in the kernel at
+    each barrier instead of spinning. Loading and tuning a model runs parallel regions; done on the
+    event loop's thread, they left a second pool beside the engine thread's and every decode step
+    paid futex sleeps and wake-ups at each of its barriers (per token through the server: 20% slower
+    than LLM.generate on 2 cores). A thread that ends takes its pool with it."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-load") as pool:
+        return pool.submit(build).result()
 
 
 @dataclass(frozen=True)
