@@ -15,6 +15,7 @@ from specserve import LLM, SamplingParams
 from specserve.model.attention.base import AttentionBatch
 from specserve.model.attention.cpu_paged import CpuPagedBackend
 from specserve.model.attention.sdpa import SdpaBackend
+from specserve.model.tuning import KernelTuner
 from specserve.model.quant import (
     NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, _native, native_available, quantize_int4, quantize_int8,
 )
@@ -166,3 +167,45 @@ def test_native_layer_loop_equals_the_python_path(int4_pair: tuple[LLM, LLM], mo
     monkeypatch.setattr(type(python.engine.model), "_native", lambda self, kv, x: None)
     b = python.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_tuner_decide_takes_the_fastest_and_remembers_it(tmp_path: Path) -> None:
+    path = tmp_path / "choices.json"
+
+    def broken() -> float:
+        raise RuntimeError("cannot run here")
+
+    assert KernelTuner(torch.device("cpu"), path).decide("plan", {"a": lambda: 2.0, "b": lambda: 1.0, "c": broken}) == "b"
+    # a later process on this machine recalls the choice without timing again
+    assert KernelTuner(torch.device("cpu"), path).decide("plan", {"a": broken, "b": broken, "c": broken}) == "b"
+
+
+@pytest.mark.parametrize("plan", ["tuned", "native-loop"])
+def test_float32_layer_plan_is_timed_installed_and_decodes_alike(
+    tiny_llama: Path, plan: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 weights: whole decode steps are timed with the tuner's per-projection kernels and
+    with native kernels everywhere (the native layer loop); the plan decided is the one installed,
+    and both decode the same greedy tokens."""
+    if not native_available():
+        pytest.skip("no C compiler: no native kernels")
+    timings: list[float] = []
+
+    def decide(self: KernelTuner, what: str, candidates: dict) -> str:
+        assert what.startswith("layer-loop|float32|")
+        timings.extend(seconds() for seconds in candidates.values())  # the real step timing, on this model
+        return plan
+
+    monkeypatch.setattr(KernelTuner, "choose", lambda self, p, shape, dtype, f: ("dense", f["dense"]()))
+    monkeypatch.setattr(KernelTuner, "decide", decide)
+    llm = LLM(str(tiny_llama), quantization="none")
+    assert len(timings) == 2 and all(t > 0 for t in timings)
+    model = llm.engine.model
+    kernels = [m.kernel for _, m in model.layers.named_modules() if hasattr(m, "kernel")]
+    assert all(isinstance(k, NativeF32Kernel) == (plan == "native-loop") for k in kernels)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out = [o.token_ids for o in llm.generate(random_prompts(3, seed=8), params, use_tqdm=False)]
+    assert (model._native_decoder is not None and model._native_decoder[1] is not None) == (plan == "native-loop")
+    monkeypatch.undo()
+    reference = LLM(str(tiny_llama), quantization="none", attention_backend="sdpa")
+    assert out == [o.token_ids for o in reference.generate(random_prompts(3, seed=8), params, use_tqdm=False)]

@@ -13,6 +13,7 @@ import torch
 
 from specserve.config import parse_dtype
 from specserve.engine.engine import LLMEngine
+from specserve.engine.layer_loop import choose_layer_loop, native_layer_kernels
 from specserve.errors import InvalidRequestError
 from specserve.isa import bf16_works
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
@@ -63,7 +64,11 @@ def build_model(
     precision = resolve_quantization(quantization, loaded.gguf_path)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
     tuner = KernelTuner(torch.device(device))
+    natives = native_layer_kernels(net) if precision == "none" else None  # before the dense weights may go
     chosen = prepare_linears(net, precision, tuner.choose, source)
+    if natives is not None and choose_layer_loop(net, natives, tuner):
+        chosen.update({name: "native-f32 (layer loop)" for name in natives})
+    del natives  # the plan not taken, and the dense weights only it held
     logger.info("%s: %s weights; kernels: %s", model, precision,
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None

@@ -205,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, rope, kv, attn)
         return self.norm(x)
 
+    def kernels_changed(self) -> None:
+        """Call after replacing a projection's kernel: the native layer loop is rebuilt from them."""
+        self._native_decoder = None
+
     def _native(self, kv_caches: KVCache, x: torch.Tensor) -> NativeDecoder | None:
         """The native layer loop for these caches, when every layer can run there (built once per
         KV cache)."""

@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -96,6 +97,27 @@ class KernelTuner:
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("could not save kernel choices to %s: %s", self.path, e)
+
+    def decide(self, what: str, candidates: dict[str, Callable[[], float]]) -> str:
+        """The candidate whose timing function returns the least seconds (remembered for this
+        machine under `what`); a candidate whose timing raises is skipped."""
+        key = f"{self.machine}|{what}|{','.join(sorted(candidates))}"
+        cached = self._choices.get(key)
+        if cached in candidates:
+            return cached
+        times: dict[str, float] = {}
+        for name, seconds in candidates.items():
+            try:
+                times[name] = seconds()
+            except Exception as e:  # noqa: BLE001 - a candidate this machine cannot run
+                logger.info("%s: %s unusable: %s", what, name, e)
+        if not times:
+            raise RuntimeError(f"{what}: no candidate could be timed")
+        name = min(times, key=times.__getitem__)
+        logger.info("%s: %s -> %s", what, ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in times.items()), name)
+        self._choices[key] = name
+        self._write()
+        return name
 
     def choose(self, precision: str, shape: tuple[int, int], dtype: torch.dtype,
                factories: dict[str, KernelFactory]) -> tuple[str, nn.Module]:
