@@ -1,6 +1,7 @@
-"""float32 at batch 1: the tuner's per-projection kernel choice against native-f32 forced on every
-layer projection (which lets the whole step run in the native layer loop); the LM head is left to
-the tuner either way. 3 Spec-Bench chat prompts, 128 tokens each, after a warm-up.
+"""float32 at batch 1: the loader's choice (since the layer-loop plan is timed at load, whichever of
+the per-projection kernels and the native layer loop ran faster there) against native-f32 forced
+on every layer projection (the native layer loop); the LM head is left to the tuner either way.
+3 Spec-Bench chat prompts, 128 tokens each, after a warm-up.
 
     python benchmarks/f32_native_loop.py tuned; python benchmarks/f32_native_loop.py native
 """
