@@ -175,9 +175,14 @@ def test_tuner_decide_takes_the_fastest_and_remembers_it(tmp_path: Path) -> None
     def broken() -> float:
         raise RuntimeError("cannot run here")
 
-    assert KernelTuner(torch.device("cpu"), path).decide("plan", {"a": lambda: 2.0, "b": lambda: 1.0, "c": broken}) == "b"
+    cpu = torch.device("cpu")
+    assert KernelTuner(cpu, path).decide("plan", {"a": lambda: 2.0, "b": lambda: 1.0}) == "b"
     # a later process on this machine recalls the choice without timing again
-    assert KernelTuner(torch.device("cpu"), path).decide("plan", {"a": broken, "b": broken, "c": broken}) == "b"
+    assert KernelTuner(cpu, path).decide("plan", {"a": broken, "b": broken}) == "b"
+    assert KernelTuner(cpu, path).recall("plan", ["a", "b"]) == "b"
+    # a choice made while a candidate failed (perhaps only this time) is used, not remembered
+    assert KernelTuner(cpu, path).decide("other", {"a": lambda: 2.0, "b": broken}) == "a"
+    assert KernelTuner(cpu, path).recall("other", ["a", "b"]) is None
 
 
 @pytest.mark.parametrize("plan", ["tuned", "native-loop"])
@@ -197,6 +202,7 @@ def test_float32_layer_plan_is_timed_installed_and_decodes_alike(
         return plan
 
     monkeypatch.setattr(KernelTuner, "choose", lambda self, p, shape, dtype, f: ("dense", f["dense"]()))
+    monkeypatch.setattr(KernelTuner, "recall", lambda self, what, names: None)  # not decided on this machine yet
     monkeypatch.setattr(KernelTuner, "decide", decide)
     llm = LLM(str(tiny_llama), quantization="none")
     assert len(timings) == 2 and all(t > 0 for t in timings)
@@ -209,3 +215,26 @@ def test_float32_layer_plan_is_timed_installed_and_decodes_alike(
     monkeypatch.undo()
     reference = LLM(str(tiny_llama), quantization="none", attention_backend="sdpa")
     assert out == [o.token_ids for o in reference.generate(random_prompts(3, seed=8), params, use_tqdm=False)]
+
+
+def test_a_recalled_layer_plan_is_installed_without_timing(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that decided the native layer loop before gets it at load without timing again,
+    and without the tuner building (and packing) other kernels for the layer projections."""
+    if not native_available():
+        pytest.skip("no C compiler: no native kernels")
+    tuned_shapes: list[tuple[int, int]] = []
+
+    def choose(self: KernelTuner, precision: str, shape: tuple[int, int], dtype: torch.dtype, f: dict) -> tuple:
+        tuned_shapes.append(shape)
+        return "dense", f["dense"]()
+
+    monkeypatch.setattr(KernelTuner, "recall", lambda self, what, names: "native-loop")
+    monkeypatch.setattr(KernelTuner, "decide", lambda *a: pytest.fail("timed although recalled"))
+    monkeypatch.setattr(KernelTuner, "choose", choose)
+    llm = LLM(str(tiny_llama), quantization="none")
+    model = llm.engine.model
+    assert tuned_shapes == [(model.config.vocab_size, model.config.hidden_size)]  # the LM head only
+    kernels = [m.kernel for _, m in model.layers.named_modules() if hasattr(m, "kernel")]
+    assert kernels and all(isinstance(k, NativeF32Kernel) for k in kernels)
+    llm.generate(random_prompts(1, seed=3), SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert model._native_decoder is not None and model._native_decoder[1] is not None

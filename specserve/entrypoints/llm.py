@@ -13,7 +13,7 @@ import torch
 
 from specserve.config import parse_dtype
 from specserve.engine.engine import LLMEngine
-from specserve.engine.layer_loop import choose_layer_loop, native_layer_kernels
+from specserve.engine.layer_loop import choose_layer_loop, native_layer_kernels, recalled_plan
 from specserve.errors import InvalidRequestError
 from specserve.isa import bf16_works
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
@@ -31,11 +31,12 @@ logger = logging.getLogger("specserve")
 
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
-    quantization: str = "none",
+    quantization: str = "none", layer_loop: bool = True,
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped); returns (model, tokenizer or None,
-    max_model_len, the precision the weights run in)."""
+    max_model_len, the precision the weights run in). `layer_loop`: the engine's attention can run
+    the native layer loop (the in-place CPU backend), so float32 may choose it."""
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -64,11 +65,15 @@ def build_model(
     precision = resolve_quantization(quantization, loaded.gguf_path)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
     tuner = KernelTuner(torch.device(device))
-    natives = native_layer_kernels(net) if precision == "none" else None  # before the dense weights may go
-    chosen = prepare_linears(net, precision, tuner.choose, source)
-    if natives is not None and choose_layer_loop(net, natives, tuner):
+    # float32 on the CPU: the native layer loop's kernels, built before the dense weights may go
+    plan = recalled_plan(net, tuner) if precision == "none" and layer_loop else "tuned"
+    natives = native_layer_kernels(net) if plan != "tuned" else None
+    preset = natives if plan == "native-loop" else None
+    chosen = prepare_linears(net, precision, tuner.choose, source, preset=preset)
+    if natives is not None and (preset is not None or choose_layer_loop(net, natives, tuner, limit)):
+        net.kernels_changed()
         chosen.update({name: "native-f32 (layer loop)" for name in natives})
-    del natives  # the plan not taken, and the dense weights only it held
+    del natives, preset  # the plan not taken, and the dense weights only it held
     logger.info("%s: %s weights; kernels: %s", model, precision,
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
@@ -119,8 +124,10 @@ class LLM:
             logger.warning("dtype: bfloat16 matmuls cannot run on this CPU (probed); using float32")
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
+        layer_loop = args.attention_backend in ("auto", "cpu-paged") and args.kv_cache_dtype in ("auto", "float32",
+                                                                                                "bfloat16")
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
-                                                       args.max_model_len, args.seed, args.quantization)
+                                                       args.max_model_len, args.seed, args.quantization, layer_loop)
         config = args.engine_config(net.config, limit, precision)
         self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(args.speculative, args.model),
                                 draft_builder=self._build_draft)

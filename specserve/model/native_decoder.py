@@ -67,6 +67,11 @@ class NativeDecoder:
         self._eps = eps
 
     @staticmethod
+    def available() -> bool:
+        """Whether the layer loop's library builds on this machine."""
+        return _lib() is not None
+
+    @staticmethod
     def build(model: Any, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> "NativeDecoder | None":
         """None unless every layer can run natively: float32 on the CPU, native projections, a
         float32 or bfloat16 cache."""

@@ -101,23 +101,31 @@ class KernelTuner:
     def decide(self, what: str, candidates: dict[str, Callable[[], float]]) -> str:
         """The candidate whose timing function returns the least seconds (remembered for this
         machine under `what`); a candidate whose timing raises is skipped."""
-        key = f"{self.machine}|{what}|{','.join(sorted(candidates))}"
-        cached = self._choices.get(key)
-        if cached in candidates:
+        cached = self.recall(what, list(candidates))
+        if cached is not None:
             return cached
         times: dict[str, float] = {}
         for name, seconds in candidates.items():
             try:
                 times[name] = seconds()
-            except Exception as e:  # noqa: BLE001 - a candidate this machine cannot run
-                logger.info("%s: %s unusable: %s", what, name, e)
+            except Exception as e:  # noqa: BLE001 - a candidate this machine cannot run (this time)
+                logger.info("%s: %s unusable: %s", what, name, str(e))
         if not times:
             raise RuntimeError(f"{what}: no candidate could be timed")
         name = min(times, key=times.__getitem__)
         logger.info("%s: %s -> %s", what, ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in times.items()), name)
-        self._choices[key] = name
-        self._write()
+        if len(times) == len(candidates):  # a choice made after a failure is not remembered
+            self._choices[self._decision_key(what, list(candidates))] = name
+            self._write()
         return name
+
+    def recall(self, what: str, names: list[str]) -> str | None:
+        """The choice `decide` remembered on this machine for `what` among `names`, if any."""
+        cached = self._choices.get(self._decision_key(what, names))
+        return cached if cached in names else None
+
+    def _decision_key(self, what: str, names: list[str]) -> str:
+        return f"{self.machine}|{what}|{','.join(sorted(names))}"
 
     def choose(self, precision: str, shape: tuple[int, int], dtype: torch.dtype,
                factories: dict[str, KernelFactory]) -> tuple[str, nn.Module]:

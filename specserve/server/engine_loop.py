@@ -13,7 +13,6 @@ Build the engine with `build_on_passing_thread`, not on the event loop's thread:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 from collections import deque
@@ -60,8 +59,20 @@ def build_on_passing_thread(build: Callable[[], T]) -> T:
     event loop's thread, they left a second pool beside the engine thread's and every decode step
     paid futex sleeps and wake-ups at each of its barriers (per token through the server: 20% slower
     than LLM.generate on 2 cores). A thread that ends takes its pool with it."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-load") as pool:
-        return pool.submit(build).result()
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = build()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name="specserve-load", daemon=True)  # Ctrl-C does not wait for it
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
