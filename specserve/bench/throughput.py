@@ -174,8 +174,10 @@ def _weight_bytes(model: torch.nn.Module) -> int:
         else:
             continue
         for t in tensors:
-            key = id(t) if t is None or t.is_mkldnn else t.data_ptr()  # oneDNN's blocked weights have no storage
-            if t is not None and key not in seen:
+            if t is None:
+                continue
+            key = id(t) if t.is_mkldnn else t.data_ptr()  # oneDNN's blocked weights have no storage
+            if key not in seen:
                 seen.add(key)
                 total += t.numel() * t.element_size()
     return total

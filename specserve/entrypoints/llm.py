@@ -16,6 +16,7 @@ from specserve.engine.engine import LLMEngine
 from specserve.engine.layer_loop import choose_layer_loop, native_layer_kernels, recalled_plan
 from specserve.errors import InvalidRequestError
 from specserve.isa import bf16_works
+from specserve.model.attention import in_place_attention
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from specserve.model.loader import DEFAULT_MODEL, gguf_int4_source, load_model_files, resolve_quantization
 from specserve.model.quant import prepare_linears
@@ -124,8 +125,8 @@ class LLM:
             logger.warning("dtype: bfloat16 matmuls cannot run on this CPU (probed); using float32")
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
-        layer_loop = args.attention_backend in ("auto", "cpu-paged") and args.kv_cache_dtype in ("auto", "float32",
-                                                                                                "bfloat16")
+        # float32 weights (the only ones that choose the layer loop) with the engine's attention
+        layer_loop = in_place_attention(args.attention_backend, torch.device(args.device), args.kv_dtype("none"))
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
                                                        args.max_model_len, args.seed, args.quantization, layer_loop)
         config = args.engine_config(net.config, limit, precision)

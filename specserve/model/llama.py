@@ -217,8 +217,7 @@ class LlamaForCausalLM(nn.Module):
         key = kv_caches[0][0].data_ptr()
         if self._native_decoder is None or self._native_decoder[0] != key:
             self._native_decoder = (key, NativeDecoder.build(self, kv_caches))
-        native = self._native_decoder[1]
-        return native
+        return self._native_decoder[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

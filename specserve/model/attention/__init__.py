@@ -13,7 +13,19 @@ logger = logging.getLogger("specserve.model")
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu-paged")
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionBatch", "PlannedAttention", "make_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionBatch", "PlannedAttention", "in_place_attention",
+           "make_backend"]
+
+
+def in_place_attention(name: str, device: torch.device, kv_dtype: torch.dtype) -> bool:
+    """Whether `make_backend(name, ...)` gives the in-place CPU kernel (the one the native layer
+    loop runs with) for this device and KV cache dtype."""
+    from specserve.model.attention.cpu_paged import CpuPagedBackend
+
+    if name == "cpu-paged":
+        return True
+    return (name == "auto" and device.type == "cpu" and kv_dtype in CpuPagedBackend.KV_DTYPES
+            and CpuPagedBackend.available())
 
 
 def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -29,7 +41,6 @@ def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: 
         raise ValueError(f"attention_backend: cpu-paged runs on the CPU, not on {device.type}")
     if name == "cpu-paged" and kv_dtype not in CpuPagedBackend.KV_DTYPES:
         raise ValueError(f"attention_backend: cpu-paged reads float32 or bfloat16 caches, not {kv_dtype}")
-    if name == "cpu-paged" or (name == "auto" and device.type == "cpu" and kv_dtype in CpuPagedBackend.KV_DTYPES
-                               and CpuPagedBackend.available()):
+    if in_place_attention(name, device, kv_dtype):
         return CpuPagedBackend(num_heads, num_kv_heads, head_dim)
     return SdpaBackend(num_heads, num_kv_heads, head_dim)
