@@ -14,12 +14,12 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vs_llamacpp import free_port  # noqa: E402
+from specserve.bench.launcher import LaunchedServer, ServeCommand
 
 
 def status_kb(pid: int, field: str) -> int:
@@ -37,54 +37,45 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("serve_args", nargs="*", help="after --: extra arguments for specserve serve")
     a = ap.parse_args()
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(port),
-                               "--log-level", "warning", *a.serve_args])
-    url = f"http://127.0.0.1:{port}"
-    samples: list[tuple[float, int]] = []
-    stop = threading.Event()
+    log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
+    with LaunchedServer(ServeCommand(("--log-level", "warning", *a.serve_args)), log) as server:
+        pid = server.pid
+        assert pid is not None
+        loaded = status_kb(pid, "VmRSS")
+        samples: list[int] = []
+        stop = threading.Event()
 
-    def sample() -> None:
-        start = time.monotonic()
-        while not stop.wait(5.0):
-            samples.append((time.monotonic() - start, status_kb(server.pid, "VmRSS")))
+        def sample() -> None:
+            while not stop.wait(5.0):
+                samples.append(status_kb(pid, "VmRSS"))
 
-    try:
-        for _ in range(600):
-            if subprocess.run(["curl", "-sf", f"{url}/health"], capture_output=True).returncode == 0:
-                break
-            time.sleep(1)
-        loaded = status_kb(server.pid, "VmRSS")
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        threading.Thread(target=sample, daemon=True).start()
         deadline = time.monotonic() + a.minutes * 60
         rounds: list[dict[str, float]] = []
-        while time.monotonic() < deadline:
-            t = time.monotonic()
-            subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "serve", "--base-url", url,
-                            "--dataset", "sharegpt", "--num-prompts", str(a.prompts_per_round),
-                            "--max-concurrency", str(a.streams), "--seed", str(len(rounds)), "--no-progress"],
-                           check=True, capture_output=True)
-            rounds.append({"seconds": round(time.monotonic() - t, 1), "rss_mb": status_kb(server.pid, "VmRSS") / 1024})
-            print(f"round {len(rounds)}: {rounds[-1]}", flush=True)
-        stop.set()
+        try:
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "serve", "--base-url", server.base_url,
+                                "--dataset", "sharegpt", "--num-prompts", str(a.prompts_per_round),
+                                "--max-concurrency", str(a.streams), "--seed", str(len(rounds)), "--no-progress"],
+                               check=True, capture_output=True)
+                rounds.append({"seconds": round(time.monotonic() - t, 1), "rss_mb": status_kb(pid, "VmRSS") / 1024})
+                print(f"round {len(rounds)}: {rounds[-1]}", flush=True)
+        finally:
+            stop.set()
         result = {
             "minutes": a.minutes, "streams": a.streams, "serve_args": a.serve_args, "rounds": len(rounds),
             "rss_loaded_mb": round(loaded / 1024, 1),
             "rss_warm_mb": round(rounds[0]["rss_mb"], 1),
             "rss_end_mb": round(rounds[-1]["rss_mb"], 1),
-            "rss_max_mb": round(max(kb for _, kb in samples) / 1024, 1),
-            "peak_vmhwm_mb": round(status_kb(server.pid, "VmHWM") / 1024, 1),
+            "rss_max_mb": round(max(samples, default=loaded) / 1024, 1),
+            "peak_vmhwm_mb": round(status_kb(pid, "VmHWM") / 1024, 1),
             "per_round": rounds,
         }
-        result["growth_after_warm_mb"] = round(result["rss_end_mb"] - result["rss_warm_mb"], 1)
-        print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
-        if a.json:
-            a.json.write_text(json.dumps(result, indent=1) + "\n")
-    finally:
-        stop.set()
-        server.terminate()
-        server.wait(60)
+    result["growth_after_warm_mb"] = round(result["rss_end_mb"] - result["rss_warm_mb"], 1)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import argparse
 import http.client
 import json
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,13 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.bench.datasets import SampleSpec, open_dataset
+from specserve.bench.launcher import free_port
 from specserve.model.loader import find_bundled_gguf
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

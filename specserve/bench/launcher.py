@@ -82,6 +82,10 @@ class LaunchedServer:
         return f"http://{self.command.host}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def shown_command(self) -> str:
         return self.command.shown(self.port)
 
