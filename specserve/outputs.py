@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from specserve.engine.sequence import SpecCounters, TokenLogprob
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass
+class DraftCounters:
+    """Speculation bookkeeping for one request (or, summed, for the engine)."""
+
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    steps: int = 0  # verification steps (decode steps that carried a draft)
+    accepted_per_position: list[int] = field(default_factory=list)  # [d]: accepted at depth d + 1
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.steps += 1
+        while len(self.accepted_per_position) < accepted:
+            self.accepted_per_position.append(0)
+        for d in range(accepted):
+            self.accepted_per_position[d] += 1
+
+    def add(self, other: "DraftCounters") -> None:
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.steps += other.steps
+        while len(self.accepted_per_position) < len(other.accepted_per_position):
+            self.accepted_per_position.append(0)
+        for d, n in enumerate(other.accepted_per_position):
+            self.accepted_per_position[d] += n
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the target's own token."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -14,7 +54,7 @@ class RequestMetrics:
     finish_time: float | None
     num_cached_prompt_tokens: int
     num_preemptions: int
-    spec: SpecCounters  # draft tokens proposed/accepted, verification steps, accepted per position
+    speculation: DraftCounters  # draft tokens proposed/accepted, verification steps, accepted per position
 
     @property
     def ttft(self) -> float | None:

@@ -103,3 +103,26 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 40, vocab: i
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()
     return [torch.randint(2, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+class ShuffledGrants:
+    """A speculation controller whose grants change every step: each request keeps a random
+    number of its draft nodes (0 included), whatever they are worth. Outputs must not notice."""
+
+    def __init__(self, seed: int = 0) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+
+    def select(self, base: Any, sampling_rows: int, candidates: list) -> Any:
+        from specserve.speculation.controller import Selection
+
+        counts = tuple(self.rng.randint(0, len(c.values)) for c in candidates)
+        return Selection(counts, float(sampling_rows), float("nan"), 0.0)
+
+
+def shuffle_grants(llm: Any, seed: int = 0) -> Any:
+    """`llm` with its speculation controller replaced by ShuffledGrants."""
+    llm.engine.speculator.controller = ShuffledGrants(seed)
+    return llm
+

@@ -50,7 +50,7 @@ from specserve.bench.serve import (
     LoadGenerator,
     RequestResult,
     ServerUnusable,
-    SpecCounters,
+    DraftCounters,
     compute_metrics,
 )
 from specserve.bench.sweep import ServerConfig, SweepPlan, parse_rates
@@ -498,9 +498,9 @@ def test_speculation_acceptance_is_the_metrics_difference(fake: FakeOpenAIServer
     vllm = ("vllm:spec_decode_num_draft_tokens_total{model_name=\"m\"} 40\n"
             "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 10\n"
             "vllm:spec_decode_num_drafts_total{model_name=\"m\"} 10\n")
-    counters = SpecCounters.from_prometheus(vllm)
+    counters = DraftCounters.from_prometheus(vllm)
     assert counters is not None and counters.acceptance_rate == 0.25 and counters.mean_accepted_length == 2.0
-    assert SpecCounters.from_prometheus("other_metric 1\n") is None
+    assert DraftCounters.from_prometheus("other_metric 1\n") is None
 
 
 def test_load_config_errors_name_the_field() -> None:

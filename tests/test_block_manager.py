@@ -105,7 +105,7 @@ def test_drafts_never_preempt_another_request() -> None:
     from specserve.engine.scheduler import Scheduler
 
     bm = BlockManager(num_blocks=4, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, spec_budget=lambda s: 8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, draft_budget=lambda s: 8)
     a, b = seq([1, 2, 3], "a"), seq([5, 6, 7, 8], "b")
     for s in (a, b):
         sched.add(s)
@@ -117,5 +117,5 @@ def test_drafts_never_preempt_another_request() -> None:
     assert out.preempted == () and len(out.scheduled) == 2
     # b's next token takes a second block first; a's drafts get the one block left (4 slots) and
     # b's drafts the rest of its own new block (3 slots): grants shrink to fit, nobody is evicted.
-    assert [i.spec_budget for i in out.scheduled] == [4, 3]
+    assert [i.draft_budget for i in out.scheduled] == [4, 3]
     assert bm.num_free_blocks == 0

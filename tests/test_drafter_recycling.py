@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specserve.sampling_params import SamplingParams
-from specserve.spec.drafter import DraftRequest, RequestView
-from specserve.spec.drafters.recycling import EMPTY, RecyclingDrafter
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.drafter import DraftRequest, RequestView
+from specserve.speculation.drafters.recycling import EMPTY, RecyclingDrafter
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 V = 100
 

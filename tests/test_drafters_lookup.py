@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 
 from specserve.sampling_params import SamplingParams
-from specserve.spec.drafter import DraftRequest, RequestView
-from specserve.spec.drafters.ngram import NgramDrafter, continuation
-from specserve.spec.drafters.suffix import SuffixDrafter, SuffixTrie
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.drafter import DraftRequest, RequestView
+from specserve.speculation.drafters.ngram import NgramDrafter, continuation
+from specserve.speculation.drafters.suffix import SuffixDrafter, SuffixTrie
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
 def view(prompt: list[int], output: list[int] = (), rid: str = "r") -> RequestView:

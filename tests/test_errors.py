@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -152,7 +154,7 @@ def test_step_isolates_a_request_whose_numbers_break(tiny_llama: Path, spec: str
     assert bad.finish_reason == "error" and bad.error is not None
     assert "sampling failed" in bad.error and "temperature=" in bad.error
     if spec is not None:
-        assert llm.engine.spec_totals.steps > 0  # the victims were verified against drafts meanwhile
+        assert llm.engine.draft_totals.steps > 0  # the victims were verified against drafts meanwhile
 
 
 def test_a_failing_drafter_only_costs_its_drafts(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,15 +163,15 @@ def test_a_failing_drafter_only_costs_its_drafts(tiny_llama: Path, monkeypatch: 
     plain = LLM(str(tiny_llama))
     expected = [plain.generate(p, v, use_tqdm=False)[0].token_ids for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
     llm = LLM(str(tiny_llama), speculative="ngram")
-    assert llm.engine.drafter is not None
+    assert llm.engine.speculator.enabled
 
     def explode(self: object, requests: list) -> list:
         raise RuntimeError("drafter bug")
 
-    monkeypatch.setattr(type(llm.engine.drafter), "propose", explode)
+    monkeypatch.setattr(type(llm.engine.speculator.drafters["ngram"]), "propose", explode)
     outs = llm.generate(VICTIM_PROMPTS, list(VICTIMS), use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
-    assert llm.engine.spec_totals.steps == 0
+    assert llm.engine.draft_totals.steps == 0
 
 
 @pytest.mark.parametrize(
@@ -187,7 +189,7 @@ def test_numbers_float32_cannot_hold_are_rejected(field: str, kw: dict) -> None:
 def test_a_verification_that_breaks_ends_only_that_request(tiny_llama: Path) -> None:
     """Under speculation, a request whose verification logits turn to NaN (as a numerical fault in
     the forward would make them) ends alone with an error; its neighbours' outputs are unchanged."""
-    llm = LLM(str(tiny_llama), speculative="ngram")
+    llm = LLM(str(tiny_llama), speculative=dict(method="ngram", controller="fixed"))
     alone = [llm.generate(p, v, use_tqdm=False)[0] for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
     engine = llm.engine
     attacker_prompt = list(b"abcabcabcabcabcabcabc")
@@ -195,14 +197,14 @@ def test_a_verification_that_breaks_ends_only_that_request(tiny_llama: Path) -> 
     broke = []
 
     def corrupting(batch, drafts=None):
-        logits, rows = execute(batch, drafts)
-        logits = logits.clone()  # an inference tensor: edit a copy
+        out = execute(batch, drafts)
+        logits, rows = out.logits.clone(), out.rows  # an inference tensor: edit a copy
         for i, item in enumerate(batch):
             if item.seq.prompt_token_ids == attacker_prompt and drafts and i in drafts:
                 start, count = rows[i]
                 logits[start : start + count] = float("nan")
                 broke.append(i)
-        return logits, rows
+        return dataclasses.replace(out, logits=logits)
 
     engine.runner.execute = corrupting
     ids = [engine.add_request(p, v) for p, v in zip(VICTIM_PROMPTS, VICTIMS)]
@@ -221,7 +223,7 @@ def test_a_verification_that_breaks_ends_only_that_request(tiny_llama: Path) -> 
 def test_a_sampler_that_raises_for_one_row_fails_only_that_row(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """If drawing for the batch raises, rows are drawn one by one: only the row that raises alone
     fails; the others (seeded sampling included) draw exactly what they would have."""
-    from specserve.engine.sampler import Sampler
+    from specserve.speculation.sampler import Sampler
 
     llm = LLM(str(tiny_llama))
     alone = [llm.generate(p, v, use_tqdm=False)[0] for p, v in zip(VICTIM_PROMPTS, VICTIMS)]

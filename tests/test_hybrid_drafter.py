@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.drafters.hybrid import merge_trees
-from specserve.spec.tree import DraftTree
+from specserve.speculation.drafters.hybrid import merge_trees
+from specserve.speculation.tree import DraftTree
 
 
 def paths(tree: DraftTree) -> set[tuple[int, ...]]:

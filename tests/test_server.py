@@ -2,7 +2,7 @@
 with the official `openai` client and with httpx.
 
 Two servers start once for the module (in parallel): a plain one and one with `--spec ngram`
-(and `--max-num-seqs 1 --max-waiting 1`, which also makes the 429 path reachable on purpose).
+(fixed K, so that drafts are certain, and `--max-num-seqs 1 --max-waiting 1`, which also makes the 429 path reachable on purpose).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     logs = tmp_path_factory.mktemp("server-logs")
     made = {
         "plain": Server(tiny_llama, logs / "plain.log", "--max-body-bytes", str(MAX_BODY)),
-        "spec": Server(tiny_llama, logs / "spec.log", "--spec", "ngram", "--max-num-seqs", "1",
+        "spec": Server(tiny_llama, logs / "spec.log", "--spec", "ngram",
+                       "--spec-controller", "fixed", "--max-num-seqs", "1",
                        "--max-waiting", "1", "--shutdown-timeout", "2"),
     }
     try:

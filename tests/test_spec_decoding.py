@@ -12,9 +12,9 @@ import torch
 from scipy.stats import chisquare
 
 from specserve import LLM, SamplingParams
-from specserve.spec.verifier import Verifier
+from specserve.speculation.verifier import Verifier
 
-from conftest import random_prompts
+from conftest import random_prompts, shuffle_grants
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
@@ -27,13 +27,14 @@ def draft_dir(tiny_model_factory) -> Path:
 
 def spec_configs(target: Path, draft: Path) -> dict[str, dict]:
     return {
-        "ngram": dict(method="ngram", num_tokens=4),
-        "ngram-tree": dict(method="ngram", num_tokens=6, width=3),
-        "suffix": dict(method="suffix", num_tokens=6),
-        "recycling": dict(method="recycling", num_tokens=6),
-        "draft-model": dict(method="draft-model", num_tokens=4, draft_model=str(draft)),
-        "draft-model-self": dict(method="draft-model", num_tokens=4, draft_model=str(target)),  # all accepted
-        "layer-skip": dict(method="layer-skip", num_tokens=3, draft_layers=1),
+        "ngram": dict(method="ngram", num_tokens=4, controller="fixed"),
+        "ngram-tree": dict(method="ngram", num_tokens=6, controller="fixed", width=3),
+        "suffix": dict(method="suffix", num_tokens=6, controller="fixed"),
+        "recycling": dict(method="recycling", num_tokens=6, controller="fixed"),
+        "draft-model": dict(method="draft-model", num_tokens=4, controller="fixed", draft_model=str(draft)),
+        # the target drafting for itself: every draft accepted
+        "draft-model-self": dict(method="draft-model", num_tokens=4, controller="fixed", draft_model=str(target)),
+        "layer-skip": dict(method="layer-skip", num_tokens=3, controller="fixed", draft_layers=1),
     }
 
 
@@ -52,20 +53,21 @@ def plain_outputs(tiny_llama: Path) -> list[list[int]]:
 def test_greedy_speculation_matches_plain_decoding(
     tiny_llama: Path, draft_dir: Path, plain_outputs: list[list[int]], name: str, engine_opts: dict
 ) -> None:
+    """Greedy output is the plain output whatever drafts each request is granted, step by step."""
     spec = spec_configs(tiny_llama, draft_dir)[name]
-    llm = LLM(str(tiny_llama), speculative=spec, **engine_opts)
+    llm = shuffle_grants(LLM(str(tiny_llama), speculative=spec, **engine_opts), seed=len(name))
     outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain_outputs
     engine = llm.engine
-    assert engine.spec_totals.steps > 0 and engine.spec_totals.proposed > 0
+    assert engine.draft_totals.steps > 0 and engine.draft_totals.proposed > 0
     if "num_kv_blocks" in engine_opts:
         assert engine.stats().num_preemptions > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     if name == "draft-model-self":
-        assert engine.spec_totals.accepted == engine.spec_totals.proposed  # the target agrees with itself
-    per_request = [o.metrics.spec for o in outs]
-    assert sum(s.proposed for s in per_request) == engine.spec_totals.proposed
-    assert sum(s.accepted for s in per_request) == engine.spec_totals.accepted
+        assert engine.draft_totals.accepted == engine.draft_totals.proposed  # the target agrees with itself
+    per_request = [o.metrics.speculation for o in outs]
+    assert sum(s.proposed for s in per_request) == engine.draft_totals.proposed
+    assert sum(s.accepted for s in per_request) == engine.draft_totals.accepted
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_greedy_speculation_matches_plain_decoding_on_the_int4_native_path(
     assert llm.engine.model._native(llm.engine.runner.kv_cache, torch.zeros(1, 64)) is not None
     outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain_int4_outputs
-    assert llm.engine.spec_totals.steps > 0
+    assert llm.engine.draft_totals.steps > 0
 
 
 # ---------------------------------------------------------------------------
@@ -129,7 +131,7 @@ def exact_distribution(target: Path, params: SamplingParams, n_tokens: int = 3) 
 
 
 def sample_counts(target: Path, spec: dict, params: SamplingParams, n: int) -> tuple[dict[tuple[int, ...], int], LLM]:
-    llm = LLM(str(target), speculative=spec, max_num_seqs=256, seed=7)
+    llm = shuffle_grants(LLM(str(target), speculative=spec, max_num_seqs=256, seed=7))
     outs = llm.generate([PROMPT] * n, params, use_tqdm=False)
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
@@ -167,7 +169,7 @@ SAMPLING_CASES = {
 
 
 def _spec(method: str, k: int, width: int, draft: Path) -> dict:
-    spec: dict = dict(method=method, num_tokens=k, width=width)
+    spec: dict = dict(method=method, num_tokens=k, width=width, controller="fixed")
     if method == "draft-model":
         spec["draft_model"] = str(draft)
     if method == "layer-skip":
@@ -181,7 +183,7 @@ def test_speculative_sampling_matches_exact_distribution(small_vocab: tuple[Path
     method, k, width, params = SAMPLING_CASES[case]
     n = 3000
     counts, llm = sample_counts(target, _spec(method, k, width, draft), params, n)
-    totals = llm.engine.spec_totals
+    totals = llm.engine.draft_totals
     assert totals.proposed > 0 and 0 < totals.accepted < totals.proposed, "needs both accepts and rejections"
     assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
 
@@ -250,7 +252,7 @@ def test_request_near_the_context_limit(tiny_llama: Path) -> None:
 
 def test_budget_zero_is_plain_decoding(tiny_llama: Path, plain_outputs: list[list[int]]) -> None:
     llm = LLM(str(tiny_llama), speculative=dict(method="ngram", num_tokens=0))
-    assert llm.engine.drafter is None
+    assert not llm.engine.speculator.enabled
     outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain_outputs
 
@@ -268,11 +270,11 @@ def test_mixed_batch_some_speculate_some_do_not(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), speculative=spec)
     mixed = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in mixed[:6]] == [o.token_ids for o in plain]
-    assert all(o.metrics.spec.steps == 0 for o, p in zip(mixed, params) if p.max_tokens == 1)
+    assert all(o.metrics.speculation.steps == 0 for o, p in zip(mixed, params) if p.max_tokens == 1)
     for i in (6, 7):
         alone = LLM(str(tiny_llama), speculative=spec).generate(prompts[i], params[i], use_tqdm=False)[0]
         assert mixed[i].token_ids == alone.token_ids
-        assert mixed[i].metrics.spec.steps > 0
+        assert mixed[i].metrics.speculation.steps > 0
 
 
 def test_no_blocks_leak_after_aborts_with_speculation(tiny_llama: Path, draft_dir: Path) -> None:
@@ -289,8 +291,8 @@ def test_no_blocks_leak_after_aborts_with_speculation(tiny_llama: Path, draft_di
             engine.abort_request(ids[1])
             engine.abort_request(ids[6])
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    drafter = engine.drafter
-    assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks  # the draft model's own cache too
+    pool = engine.speculator.drafters["draft-model"].kv
+    assert pool.blocks.num_free_blocks == pool.blocks.num_blocks  # the draft model's own cache too
 
 
 # ---------------------------------------------------------------------------
@@ -353,7 +355,7 @@ def test_bundled_model_greedy_equivalence_every_drafter(
         outs = llm.generate(smollm_prompts, SMOLLM_GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == smollm_plain, (method, opts)
         engine = llm.engine
-        assert engine.spec_totals.steps > 0
+        assert engine.draft_totals.steps > 0
         if "num_kv_blocks" in opts:
             assert engine.stats().num_preemptions > 0
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -370,7 +372,7 @@ def test_bundled_model_greedy_equivalence_every_drafter(
     ],
 )
 def test_bad_spec_options_name_the_field(kwargs: dict, field: str) -> None:
-    from specserve.spec.config import SpecConfig
+    from specserve.speculation.config import SpeculativeConfig
 
     with pytest.raises(ValueError, match=f"^{field}:"):
-        SpecConfig(**kwargs)
+        SpeculativeConfig(**kwargs)

@@ -354,7 +354,7 @@ _SPEC_COUNTER_NAMES = {
 
 
 @dataclass(frozen=True)
-class SpecCounters:
+class DraftCounters:
     """Speculation totals from a /metrics page (or the difference of two)."""
 
     draft_tokens: float
@@ -362,7 +362,7 @@ class SpecCounters:
     steps: float
 
     @staticmethod
-    def from_prometheus(text: str) -> SpecCounters | None:
+    def from_prometheus(text: str) -> DraftCounters | None:
         """specserve's or vLLM's counters (summed over labels); None when the page has neither."""
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -378,10 +378,10 @@ class SpecCounters:
             return None
         if set(totals) != set(_SPEC_COUNTER_NAMES):
             return None
-        return SpecCounters(**totals)
+        return DraftCounters(**totals)
 
-    def __sub__(self, other: SpecCounters) -> SpecCounters:
-        return SpecCounters(self.draft_tokens - other.draft_tokens, self.accepted_tokens - other.accepted_tokens,
+    def __sub__(self, other: DraftCounters) -> DraftCounters:
+        return DraftCounters(self.draft_tokens - other.draft_tokens, self.accepted_tokens - other.accepted_tokens,
                             self.steps - other.steps)
 
     @property
@@ -405,14 +405,14 @@ EMPTY_SPEC_ROW = {"spec_draft_tokens": None, "spec_accepted_tokens": None, "spec
                   "spec_acceptance_rate": None, "spec_mean_accepted_length": None}
 
 
-async def scrape_spec_counters(client: httpx.AsyncClient) -> SpecCounters | None:
+async def scrape_spec_counters(client: httpx.AsyncClient) -> DraftCounters | None:
     try:
         resp = await client.get("/metrics")
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:
         return None
-    return SpecCounters.from_prometheus(resp.text)
+    return DraftCounters.from_prometheus(resp.text)
 
 
 async def discover_model(client: httpx.AsyncClient) -> str | None:
@@ -438,7 +438,7 @@ class LoadRun:
 
     results: tuple[RequestResult, ...]
     metrics: LoadMetrics
-    spec: SpecCounters | None
+    spec: DraftCounters | None
     model: str | None
     send_offsets: tuple[float, ...] = field(default=())
 

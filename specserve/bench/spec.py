@@ -35,7 +35,7 @@ from specserve.bench.report import (
     progress,
 )
 from specserve.bench.throughput import _sync
-from specserve.engine.sequence import SpecCounters
+from specserve.engine.sequence import DraftCounters
 
 SPEC_COLUMNS = (
     Column("method", "method"),
@@ -119,7 +119,7 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
             out = llm.generate(prompt, params, use_tqdm=False)[0]
             dt = time.perf_counter() - t
             for key in (cat, "overall"):
-                stats[key].add(len(out.token_ids), dt, out.metrics.spec)
+                stats[key].add(len(out.token_ids), dt, out.metrics.speculation)
             bar.update(1)
         per_method[name] = dict(stats)
         o = stats["overall"]
@@ -199,9 +199,9 @@ class Tally:
 
     tokens: int = 0
     seconds: float = 0.0
-    spec: SpecCounters = field(default_factory=SpecCounters)
+    spec: DraftCounters = field(default_factory=DraftCounters)
 
-    def add(self, tokens: int, seconds: float, spec: SpecCounters | None = None) -> None:
+    def add(self, tokens: int, seconds: float, spec: DraftCounters | None = None) -> None:
         self.tokens += tokens
         self.seconds += seconds
         if spec is not None:
@@ -220,7 +220,7 @@ class Tally:
 def measure_verify_cost(llm: Any, prompt: list[int], max_k: int = 16, repeats: int = 7) -> list[dict[str, float]]:
     """Time of one forward verifying a chain of k draft tokens for one request, relative to k = 0."""
     from specserve.engine.model_runner import ForwardItem
-    from specserve.spec.tree import DraftTree
+    from specserve.speculation.tree import DraftTree
 
     engine = llm.engine
     rid = engine.add_request(prompt, __import__("specserve").SamplingParams(max_tokens=2, temperature=0))

@@ -1,9 +1,9 @@
 """The engine: requests in, one step at a time, outputs out.
 
-    schedule -> forward (verify) -> sample (accept) -> commit -> emit
+    schedule -> propose -> forward -> verify (accept) -> commit -> emit -> observe
 
-The speculative stages (propose, tree verification) plug into this loop in
-the next layer; here every decoding request proposes nothing.
+Everything speculative (which drafter, how many nodes, verification, learning from the
+outcome) is behind one `Speculator`; with speculation off it only samples.
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
-from specserve.engine.sampler import Sampler
-from specserve.engine.scheduler import ScheduledSeq, Scheduler, no_speculation
-from specserve.engine.sequence import Sequence, SpecCounters
+from specserve.engine.drafting import DraftBuilder, build_speculator
+from specserve.engine.scheduler import ScheduledSeq, Scheduler
+from specserve.engine.sequence import Sequence
 from specserve.errors import InvalidRequestError
 from specserve.model.attention import make_backend
 from specserve.model.llama import LlamaForCausalLM
-from specserve.outputs import RequestMetrics, RequestOutput
+from specserve.outputs import DraftCounters, RequestMetrics, RequestOutput
 from specserve.sampling_params import SamplingParams
-from specserve.spec.config import SpecConfig
-from specserve.spec.controller import FixedController
-from specserve.spec.drafter import Drafter, DraftRequest, RequestView
-from specserve.spec.factory import DraftBuilder, build_drafter
-from specserve.spec.tree import DraftTree
-from specserve.spec.verifier import Verdict, Verifier, failed
+from specserve.speculation.config import SpeculativeConfig
+from specserve.speculation.controller import StepShape
+from specserve.speculation.drafter import DraftRequest, RequestView
+from specserve.speculation.speculator import Decode, SampleItem, SpeculationStats, Speculator
+from specserve.speculation.tree import DraftTree
+from specserve.speculation.verifier import Verdict
 from specserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("specserve.engine")
@@ -51,6 +51,13 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def _shape(batch: tuple[ScheduledSeq, ...]) -> StepShape:
+    """The step's shape before drafts: its tokens and the context they attend to."""
+    tokens = sum(it.num_new_tokens for it in batch)
+    attended = sum(it.num_new_tokens * (it.seq.num_computed_tokens + it.num_new_tokens) for it in batch)
+    return StepShape(tokens, 0, attended)
 
 
 def _view(seq: Sequence) -> RequestView:
@@ -76,12 +83,12 @@ class LLMEngine:
         config: EngineConfig,
         model: LlamaForCausalLM,
         tokenizer: Any | None,
-        spec: SpecConfig | None = None,
+        spec: SpeculativeConfig | None = None,
         draft_builder: DraftBuilder | None = None,
     ) -> None:
         """draft_builder: loads a draft model by name (for the draft-model drafter)."""
         self.config = config
-        self.spec_config = spec or SpecConfig()
+        self.speculative_config = spec or SpeculativeConfig()
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
@@ -96,22 +103,16 @@ class LLMEngine:
         attention = make_backend(config.attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  kv_dtype)
         self.runner = ModelRunner(model, kv, cache.block_size, self.device, attention)
-        self.sampler = Sampler(self.device, config.seed)
-        self.verifier = Verifier(self.sampler.generator)
-        self.drafter: Drafter | None = None
-        controller = no_speculation
-        if self.spec_config.enabled:
-            self.drafter = build_drafter(self.spec_config, self, draft_builder)
-            controller = FixedController(self.spec_config.num_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, controller)
-        self.spec_totals = SpecCounters()
+        self.speculator: Speculator = build_speculator(self.speculative_config, config, self.runner, tokenizer,
+                                                       draft_builder)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap)
+        self.draft_totals = DraftCounters()
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._drafter_failures = 0  # consecutive
 
     # -- public API ------------------------------------------------------
     def add_request(
@@ -173,12 +174,15 @@ class LLMEngine:
         fails ends alone with finish_reason "error"; the rest of the batch goes on. Only a failure
         of the shared forward pass raises (and then no request has committed anything).
         """
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
-        views, drafts = self._propose(batch.scheduled)
-        logits, rows = self.runner.execute(batch.scheduled, drafts)  # .hidden: for learned drafters
-        verdicts = self._accept(batch.scheduled, drafts, logits, rows)
+        decodes = self._decodes(batch.scheduled)
+        drafts = self.speculator.propose(decodes, _shape(batch.scheduled), sum(it.samples for it in batch.scheduled))
+        out = self.runner.execute(batch.scheduled, drafts)  # out.hidden: for learned drafters
+        items = [SampleItem(i, batch.scheduled[i].seq, r) for i, r in enumerate(out.rows) if r is not None]
+        verdicts = self.speculator.verify(items, drafts, out.logits)
         outputs = []
         for i, item in enumerate(batch.scheduled):
             req = self._requests[item.seq.request_id]
@@ -187,7 +191,7 @@ class LLMEngine:
                 outputs.append(self._fail(req, verdict.error))
                 continue
             try:
-                self._commit(item, views.get(i), drafts.get(i), verdict, logits, rows[i])
+                self._commit(item, drafts.get(i), verdict)
                 if verdict is not None:
                     outputs.append(self._emit(req, verdict))
                 if not item.seq.is_finished:
@@ -195,77 +199,24 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 logger.exception("request %s failed in its commit or emit", item.seq.request_id)
                 outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
+        self.speculator.observe(time.perf_counter() - start)
         return outputs
 
-    def _propose(self, batch: tuple[ScheduledSeq, ...]) -> tuple[dict[int, RequestView], dict[int, DraftTree]]:
-        """Draft trees for the batch items granted a budget, and the views the drafter saw."""
-        if self.drafter is None:
-            return {}, {}
-        views = {i: _view(item.seq) for i, item in enumerate(batch) if item.spec_budget > 0}
-        if not views:
-            return {}, {}
-        requests = [
-            DraftRequest(
-                views[i], batch[i].spec_budget, tuple(batch[i].seq.block_table),
-                batch[i].seq.num_computed_tokens, batch[i].seq.generator,
-            )
-            for i in views
-        ]
-        try:
-            trees = self.drafter.propose(requests)
-        except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
-            self._drafter_failed("propose")
-            return {}, {}
-        self._drafter_failures = 0
-        drafts = {i: tree.truncated(batch[i].spec_budget) for i, tree in zip(views, trees) if len(tree) > 0}
-        return views, drafts
+    def _draft_cap(self, seq: Sequence) -> int:
+        """The most draft nodes `seq` may be given this step (the scheduler reserves room for them)."""
+        left = min(seq.max_total_len - seq.num_tokens, seq.params.max_tokens - len(seq.output_token_ids))
+        return self.speculator.cap(left)
 
-    def _accept(
-        self,
-        batch: tuple[ScheduledSeq, ...],
-        drafts: dict[int, DraftTree],
-        logits: torch.Tensor,
-        rows: list[tuple[int, int] | None],
-    ) -> dict[int, Verdict]:
-        """Per sampling item: which draft nodes the target accepts and which tokens it emits."""
-        verdicts: dict[int, Verdict] = {}
-        plain = [i for i, r in enumerate(rows) if r is not None and i not in drafts]
-        if plain:
-            plain_logits = logits[[rows[i][0] for i in plain]]  # type: ignore[index]
-            verdicts.update(zip(plain, self._sample(plain_logits, [batch[i].seq for i in plain])))
-        for i, tree in drafts.items():
-            start, count = rows[i]  # type: ignore[misc]
-            try:
-                verdicts[i] = self.verifier.verify(batch[i].seq, tree, logits[start : start + count])
-            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
-                logger.exception("verification failed for request %s", batch[i].seq.request_id)
-                verdicts[i] = failed(f"internal error: {type(e).__name__}: {e}")
-        return verdicts
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
-        """Plain decoding's draw for each row; if the batched draw raises, row by row, so that only
-        the rows that fail alone fail."""
-        try:
-            out = self.sampler(logits, seqs)
-        except Exception as e:  # noqa: BLE001
-            if len(seqs) == 1:
-                logger.exception("sampling failed for request %s", seqs[0].request_id)
-                return [failed(f"internal error: {type(e).__name__}: {e}")]
-            return [v for row, seq in enumerate(seqs) for v in self._sample(logits[row : row + 1], [seq])]
+    @staticmethod
+    def _decodes(batch: tuple[ScheduledSeq, ...]) -> list[Decode]:
+        """The batch items with room reserved for drafts, as their drafters may see them."""
         return [
-            failed(err) if err is not None else Verdict([], [tok], [lp])
-            for tok, lp, err in zip(out.token_ids, out.logprobs, out.errors)
+            Decode(i, DraftRequest(_view(item.seq), item.draft_budget, tuple(item.seq.block_table),
+                                   item.seq.num_computed_tokens, item.seq.generator))
+            for i, item in enumerate(batch) if item.draft_budget > 0
         ]
 
-    def _commit(
-        self,
-        item: ScheduledSeq,
-        view: RequestView | None,
-        tree: DraftTree | None,
-        verdict: Verdict | None,
-        logits: torch.Tensor,
-        rows: tuple[int, int] | None,
-    ) -> None:
+    def _commit(self, item: ScheduledSeq, tree: DraftTree | None, verdict: Verdict | None) -> None:
         """Make the computed (and accepted) tokens' K/V part of the sequence; release rejected slots."""
         seq = item.seq
         start = seq.num_computed_tokens
@@ -275,19 +226,14 @@ class LLMEngine:
             depths_slots = [(start + 1 + node, start + 1 + d) for d, node in enumerate(verdict.accepted)]
             self.runner.copy_slots(seq.block_table, [(s, d) for s, d in depths_slots if s != d])
             seq.num_computed_tokens += 1 + len(verdict.accepted)
-            seq.spec.record(len(tree), len(verdict.accepted))
-            self.spec_totals.record(len(tree), len(verdict.accepted))
-            if self.drafter is not None and rows is not None and view is not None:
-                top = None
-                if self.drafter.target_topk > 0:
-                    r0, n = rows
-                    top = logits[r0 : r0 + n].topk(self.drafter.target_topk, dim=-1).indices.cpu()
-                try:
-                    self.drafter.observe(view, tree, top)
-                except Exception:  # noqa: BLE001 - a drafter that cannot learn still drafts
-                    self._drafter_failed("observe")
-        if item.spec_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
+            seq.speculation.record(len(tree), len(verdict.accepted))
+            self.draft_totals.record(len(tree), len(verdict.accepted))
+        if item.draft_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
             self.blocks.trim(seq, seq.num_tokens + (len(verdict.tokens) if verdict else 0))
+
+    def speculation_stats(self) -> SpeculationStats:
+        """The controller's record: grants, predicted vs realised acceptance, cost-model error."""
+        return self.speculator.stats()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -380,7 +326,7 @@ class LLMEngine:
                 finish_time=seq.finish_time,
                 num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
                 num_preemptions=seq.num_preemptions,
-                spec=replace(seq.spec, accepted_per_position=list(seq.spec.accepted_per_position)),
+                speculation=replace(seq.speculation, accepted_per_position=list(seq.speculation.accepted_per_position)),
             ),
         )
 
@@ -396,26 +342,7 @@ class LLMEngine:
         return self._output(req, new_text="", new_ids=[], text=req.text[: req.emitted_text_len], error=error)
 
     def _drafter_finish(self, seq: Sequence) -> None:
-        if self.drafter is not None:
-            try:
-                self.drafter.finish(seq.request_id, _view(seq))
-            except Exception:  # noqa: BLE001 - the request is done either way
-                self._drafter_failed("finish")
-
-    # After this many failures in a row, speculation is switched off for the engine's lifetime.
-    MAX_DRAFTER_FAILURES = 20
-
-    def _drafter_failed(self, stage: str) -> None:
-        """Drafting is optional: a failing drafter costs its drafts, never a request. The first
-        failure is logged with its traceback, later ones counted; a drafter failing every time
-        is switched off."""
-        self._drafter_failures += 1
-        if self._drafter_failures == 1:
-            logger.exception("drafter failed in %s; the step goes on without it", stage)
-        if self._drafter_failures >= self.MAX_DRAFTER_FAILURES:
-            logger.error("drafter failed %d times in a row; speculation is off from now on", self._drafter_failures)
-            self.drafter = None
-            self.scheduler.spec_budget = no_speculation
+        self.speculator.finish(seq.request_id, _view(seq))
 
     def _check_stop(self, req: _Request, token: int) -> str | None:
         """Append the token's text and say why the request should finish, if it should."""

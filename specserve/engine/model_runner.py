@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.scheduler import ScheduledSeq
 from specserve.model.attention.base import AttentionBackend, AttentionBatch, PlannedAttention
+from specserve.model.forward import ForwardItem, ForwardOutput
 from specserve.model.llama import KVCache, LlamaForCausalLM
-from specserve.spec.tree import DraftTree
+from specserve.speculation.tree import DraftTree
+
+__all__ = ["ForwardItem", "ForwardOutput", "ModelRunner", "allocate_kv_cache", "kv_bytes_per_block"]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,43 +40,6 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     cfg = model.config
     elem = torch.tensor([], dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
-@dataclass(frozen=True)
-class ForwardOutput:
-    """What one forward gives back.
-
-    logits: [R, vocab] float32 for the rows asked for
-    hidden: [R, hidden] the final-normed hidden states of those rows (what the LM head reads; a
-        learned drafter drafts from them)
-    rows: per item, (first row, number of rows) into both, or None when the item asked for none
-    """
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    rows: list[tuple[int, int] | None]
-
-    def __iter__(self):  # logits, rows = runner.run(...)
-        return iter((self.logits, self.rows))
-
-
-@dataclass(frozen=True)
-class ForwardItem:
-    """One request's slice of a forward: new tokens written after `start` cached tokens.
-
-    block_table: the request's KV blocks; new token i goes to logical slot start + i
-    positions: RoPE positions of the new tokens (default start, start + 1, ...)
-    mask: [n, n] bool visibility among the new tokens (default causal); a draft tree
-        passes its ancestor mask. Every new token sees all `start` cached tokens.
-    logits: which rows' logits to return: "last", "all" or "none"
-    """
-
-    block_table: list[int]
-    start: int
-    tokens: list[int]
-    positions: list[int] | None = None
-    mask: torch.Tensor | None = None
-    logits: str = "last"
 
 
 class ModelRunner:

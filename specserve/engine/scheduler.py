@@ -25,7 +25,7 @@ from specserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
-    spec_budget: int = 0  # draft nodes reserved (token budget and KV slots) for this decode
+    draft_budget: int = 0  # draft nodes reserved (token budget and KV slots) for this decode
 
     @property
     def samples(self) -> bool:
@@ -44,7 +44,7 @@ def no_speculation(seq: Sequence) -> int:
 
 
 class Scheduler:
-    """`spec_budget(seq)` says how many draft nodes a decoding request may get this step (the
+    """`draft_budget(seq)` says how many draft nodes a decoding request may get this step (the
     controller's grant); the scheduler trims it to the token budget and to free KV blocks, and
     never preempts anyone to make room for speculation."""
 
@@ -52,11 +52,11 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
-        spec_budget: Callable[[Sequence], int] = no_speculation,
+        draft_budget: Callable[[Sequence], int] = no_speculation,
     ) -> None:
         self.config = config
         self.blocks = block_manager
-        self.spec_budget = spec_budget
+        self.draft_budget = draft_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -120,7 +120,7 @@ class Scheduler:
             spec = 0
             if item.num_new_tokens == 1 and seq.output_token_ids and budget > 0:
                 room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
-                spec = max(0, min(self.spec_budget(seq), budget, room - seq.num_computed_tokens - 1))
+                spec = max(0, min(self.draft_budget(seq), budget, room - seq.num_computed_tokens - 1))
                 if spec > 0:
                     allocated = self.blocks.allocate(seq, seq.num_computed_tokens + 1 + spec)
                     assert allocated

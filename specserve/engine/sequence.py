@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.outputs import DraftCounters, TokenLogprob
 from specserve.sampling_params import SamplingParams
 
 
@@ -14,48 +15,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The chosen token's log-probability and the top alternatives (token id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass
-class SpecCounters:
-    """Speculation bookkeeping for one request (or, summed, for the engine)."""
-
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-    steps: int = 0  # verification steps (decode steps that carried a draft)
-    accepted_per_position: list[int] = field(default_factory=list)  # [d]: accepted at depth d + 1
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-        self.steps += 1
-        while len(self.accepted_per_position) < accepted:
-            self.accepted_per_position.append(0)
-        for d in range(accepted):
-            self.accepted_per_position[d] += 1
-
-    def add(self, other: "SpecCounters") -> None:
-        self.proposed += other.proposed
-        self.accepted += other.accepted
-        self.steps += other.steps
-        while len(self.accepted_per_position) < len(other.accepted_per_position):
-            self.accepted_per_position.append(0)
-        for d, n in enumerate(other.accepted_per_position):
-            self.accepted_per_position[d] += n
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verification step: accepted drafts plus the target's own token."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
 @dataclass(eq=False)
@@ -79,7 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    spec: "SpecCounters" = field(default_factory=lambda: SpecCounters())
+    speculation: DraftCounters = field(default_factory=DraftCounters)
 
     @property
     def num_tokens(self) -> int:

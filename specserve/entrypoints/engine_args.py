@@ -14,19 +14,19 @@ from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from specserve.model.attention import ATTENTION_BACKENDS
 from specserve.model.loader import DEFAULT_MODEL, LOAD_FORMATS
 from specserve.model.quant import QUANTIZATIONS
-from specserve.spec.config import SPEC_METHODS, SpecConfig
+from specserve.speculation.config import CONTROLLERS, SPEC_METHODS, SpeculativeConfig
 
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 
 
-def spec_config(speculative: SpecConfig | dict[str, Any] | str | None) -> SpecConfig:
+def speculative_config(speculative: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig:
     if speculative is None:
-        return SpecConfig()
-    if isinstance(speculative, SpecConfig):
+        return SpeculativeConfig()
+    if isinstance(speculative, SpeculativeConfig):
         return speculative
     if isinstance(speculative, str):
-        return SpecConfig(method=speculative)
-    return SpecConfig(**speculative)
+        return SpeculativeConfig(method=speculative)
+    return SpeculativeConfig(**speculative)
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int | None = None
-    speculative: SpecConfig = field(default_factory=SpecConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "speculative", spec_config(self.speculative))  # accept a name or a dict
+        object.__setattr__(self, "speculative", speculative_config(self.speculative))  # accept a name or a dict
         parse_dtype(self.dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -117,9 +117,13 @@ class EngineArgs:
         s = p.add_argument_group("speculative decoding")
         spec = d.speculative
         s.add_argument("--spec", default=spec.method,
-                       help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' (default: none)")
+                       help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' "
+                            f"(default: {spec.method}); auto picks per request among suffix, ngram, recycling")
         s.add_argument("--spec-tokens", type=int, default=spec.num_tokens,
-                       help="draft tokens per request per step (K)")
+                       help="the most draft tokens a request gets per step (K)")
+        s.add_argument("--spec-controller", choices=CONTROLLERS, default=spec.controller,
+                       help="goodput: per step and request, as many draft tokens as pay for their measured cost "
+                            "(0 included); fixed: always K")
         s.add_argument("--spec-width", type=int, default=spec.width, help="tree width where the drafter has one")
         s.add_argument("--draft-model", default=spec.draft_model, help="model for --spec draft-model (same tokenizer)")
         s.add_argument("--draft-layers", type=int, default=spec.draft_layers, help="layers for --spec layer-skip")
@@ -135,9 +139,9 @@ class EngineArgs:
             block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, kv_cache_dtype=a.kv_cache_dtype,
             enable_prefix_caching=not a.no_prefix_caching,
             seed=a.engine_seed, threads=a.threads,
-            speculative=SpecConfig(method=a.spec, num_tokens=a.spec_tokens, width=a.spec_width,
-                                   draft_model=a.draft_model, draft_layers=a.draft_layers,
-                                   draft_stop_below=a.draft_stop_below),
+            speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
+                                          width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
+                                          draft_stop_below=a.draft_stop_below),
         )
 
     # -- what it builds ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from specserve.model.tuning import KernelTuner
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.entrypoints.engine_args import EngineArgs
-from specserve.spec.factory import with_model_defaults
+from specserve.speculation.factory import with_model_defaults
 from specserve.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger("specserve")
@@ -106,7 +106,7 @@ def _init_random(net: LlamaForCausalLM, seed: int) -> None:
 
 class LLM:
     """Generate text with a Llama-family model, optionally with lossless speculative decoding
-    (`speculative="ngram"`, or a SpecConfig / dict such as {"method": "layer-skip", "num_tokens": 4}).
+    (`speculative="ngram"`, or a SpeculativeConfig / dict such as {"method": "layer-skip", "num_tokens": 4}).
 
     >>> llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
     >>> out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))

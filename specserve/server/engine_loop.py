@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from specserve.engine.engine import EngineStats, LLMEngine
-from specserve.engine.sequence import SpecCounters
+from specserve.engine.sequence import DraftCounters
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -87,7 +87,7 @@ class EngineSnapshot:
     """The engine's state after the background thread's latest pass."""
 
     stats: EngineStats
-    spec: SpecCounters
+    spec: DraftCounters
     queued: int  # requests submitted but not yet added to the engine
 
     @property
@@ -95,7 +95,7 @@ class EngineSnapshot:
         return self.stats.num_waiting + self.queued
 
 
-def _copy_spec(c: SpecCounters) -> SpecCounters:
+def _copy_spec(c: DraftCounters) -> DraftCounters:
     return replace(c, accepted_per_position=list(c.accepted_per_position))
 
 
@@ -170,7 +170,7 @@ class AsyncEngine:
         self._draining = False  # event-loop side: shutdown has begun, new requests are refused
         self._lock = threading.Lock()  # guards _snapshot and _queued (both threads)
         self._queued = 0
-        self._snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.spec_totals), 0)
+        self._snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._routes: dict[str, asyncio.Queue[Any]] = {}  # event-loop side only
@@ -378,7 +378,7 @@ class AsyncEngine:
             self._post(self._dispatch, outputs)
 
     def _publish(self, engine: LLMEngine, added: int) -> None:
-        snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.spec_totals), 0)
+        snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0)
         with self._lock:
             self._snapshot = snapshot
             self._queued -= added

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.engine.engine import LLMEngine
-from specserve.engine.sequence import SpecCounters, TokenLogprob
+from specserve.engine.sequence import DraftCounters, TokenLogprob
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput
 from specserve.server.engine_loop import (
@@ -281,9 +281,9 @@ class RequestTracker:
         self._metrics.request_done(status)
         usage = self._job.usage(self._last)
         ttfts = [o.metrics.ttft for o in self._last.values() if o.metrics.ttft is not None]
-        spec = SpecCounters()
+        spec = DraftCounters()
         for o in self._last.values():
-            spec.add(o.metrics.spec)
+            spec.add(o.metrics.speculation)
         logger.info(
             "%s %s: prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs mean_accepted_len=%s",
             self._job.id, status, usage["prompt_tokens"], usage["completion_tokens"],

@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import ClassVar, Union
 
-from specserve.spec.drafter import DraftRequest, Drafter, RequestView
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.drafter import DraftRequest, Drafter, RequestView
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
 class _Node:

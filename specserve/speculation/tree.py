@@ -74,5 +74,20 @@ class DraftTree:
         probs = None if self.probs is None else self.probs[:max_nodes]
         return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes], probs)
 
+    def keep(self, nodes: list[int]) -> "DraftTree":
+        """The subtree of `nodes` (each node's parent among them), in the original order."""
+        chosen = sorted(nodes)
+        if len(chosen) == len(self):
+            return self
+        new_index = {old: new for new, old in enumerate(chosen)}
+        parents = []
+        for old in chosen:
+            p = self.parents[old]
+            if p >= 0 and p not in new_index:
+                raise ValueError(f"draft tree: node {old} kept without its parent {p}")
+            parents.append(-1 if p < 0 else new_index[p])
+        probs = None if self.probs is None else self.probs[chosen]
+        return DraftTree(tuple(self.tokens[i] for i in chosen), tuple(parents), probs)
+
 
 EMPTY_TREE = DraftTree()

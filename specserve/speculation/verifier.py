@@ -14,6 +14,12 @@ accepted, the bonus token is drawn from the current p. A deterministic proposal
 remove x from p. With independent proposals this samples exactly from the
 target, whatever the drafts are (Leviathan et al. 2023; Miao et al. 2024).
 
+A seeded request is verified against its own per-position noise instead (the sampler's
+`position_noise`): the target's token at output position j is argmax(p / E(seed, j)), exactly
+what plain decoding draws there, and a child is accepted when it is that token. The output is
+then the same token for token with any drafts or none (a draw from p at each position, so still
+the target's distribution); a draft is accepted with chance p(x), as for a point-mass proposal.
+
 The target distribution at each node is the fully processed one (penalties on
 the output including the path to that node, temperature, top-k, top-p, min-p),
 the same processing plain decoding uses.
@@ -25,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.sampler import Sampler, row_errors, token_logprobs
-from specserve.engine.sequence import Sequence, TokenLogprob
-from specserve.spec.tree import DraftTree
+from specserve.outputs import TokenLogprob
+from specserve.speculation.sampler import Sampler, SamplingRow, position_noise, row_errors, token_logprobs
+from specserve.speculation.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -47,14 +53,15 @@ class Verifier:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for requests without a seed of their own
 
-    def verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    def verify(self, seq: SamplingRow, tree: DraftTree, logits: torch.Tensor) -> Verdict:
         """`logits` [len(tree) + 1, vocab]: the target at the root (row 0) and after each node (row i + 1)."""
         params = seq.params
         n = len(tree)
         paths = self._paths(tree)
-        outputs = [seq.output_token_ids] + [seq.output_token_ids + path for path in paths]
+        done = list(seq.output_token_ids)
+        outputs = [done] + [done + path for path in paths]
         processed = Sampler.processed_logits(
-            logits, [params] * (n + 1), [seq.prompt_token_ids] * (n + 1), outputs
+            logits, [params] * (n + 1), [list(seq.prompt_token_ids)] * (n + 1), outputs
         )
         error = next((e for e in row_errors(processed, [params] * (n + 1)) if e is not None), None)
         if error is not None:
@@ -64,9 +71,17 @@ class Verifier:
             children.setdefault(p, []).append(i)
         if params.greedy:
             accepted, bonus = self._greedy(tree, children, processed.argmax(dim=-1).tolist())
+        elif params.seed is not None:
+            # Row r is drawn at output position len(output) + depth(r): the root's row at depth 0.
+            start = len(seq.output_token_ids)
+            vocab = processed.shape[1]
+            noise = torch.stack([
+                position_noise(params.seed, start + d, vocab, processed.device) for d in [0] + tree.depths()
+            ])
+            picks = (processed.softmax(dim=-1) / noise).argmax(dim=-1).tolist()
+            accepted, bonus = self._greedy(tree, children, picks)
         else:
-            gen = seq.generator if seq.generator is not None else self.generator
-            accepted, bonus = self._sample(tree, children, processed.softmax(dim=-1), gen)
+            accepted, bonus = self._sample(tree, children, processed.softmax(dim=-1), self.generator)
         tokens = [tree.tokens[a] for a in accepted] + [bonus]
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
         if params.logprobs is not None:

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specserve.spec.drafter import DraftRequest, Drafter, RequestView
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.drafter import DraftRequest, Drafter, RequestView
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 EMPTY = -1
 """Marks an empty slot of the successor table."""

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from specserve.spec.drafter import DraftRequest, Drafter
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.drafter import DraftRequest, Drafter
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
 def continuation(tokens: Sequence[int], start: int, length: int) -> list[int]:

@@ -3,18 +3,53 @@
 All rows are processed together: penalties, temperature, top-k, top-p and
 min-p are tensor operations over [batch, vocab]. Sampling uses the
 exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from
-p; the noise for a seeded request comes from that request's own generator,
-so its tokens do not depend on what else is in the batch.
+p. A seeded request's noise for output position j is a function of (seed, j) alone
+(`position_noise`), so its tokens depend neither on what else is in the batch nor on what
+drafts it was granted: verification accepts a draft token exactly when it is the token this
+noise picks (see the verifier).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from specserve.engine.sequence import Sequence, TokenLogprob
+from specserve.outputs import TokenLogprob
 from specserve.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What drawing a request's next token reads of it."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> "list[int] | tuple[int, ...]": ...
+    @property
+    def output_token_ids(self) -> "list[int] | tuple[int, ...]": ...
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): independent-looking generator seeds for nearby pairs."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def position_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise over the vocabulary for output position `position` of a request seeded with
+    `seed`: the same tensor every time it is asked for, whoever asks."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_mix(seed, position))
+    return torch.empty(vocab, device=device).exponential_(generator=gen)
 
 
 @dataclass(frozen=True)
@@ -98,7 +133,8 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked before it already cover top_p; the first always stays.
-        remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        # Only rows that ask: for top_p = 1 rounding in the cumulative sum would cut the tail.
+        remove |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
         remove[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
     if any(p.min_p > 0 for p in params):
@@ -134,7 +170,7 @@ class Sampler:
             logits = apply_filters(logits, params)
         return logits
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
         if not seqs:
             return SamplerOutput([], [], [])
         raw_logprobs = (
@@ -161,17 +197,18 @@ class Sampler:
             raw_logprobs = torch.nan_to_num(raw_logprobs)
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, seqs), errors)
 
-    def _exponential_noise(self, seqs: list[Sequence], vocab: int) -> torch.Tensor:
+    def _exponential_noise(self, seqs: list[SamplingRow], vocab: int) -> torch.Tensor:
         noise = torch.empty(len(seqs), vocab, device=self.device)
         noise.exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.params.greedy:
-                noise[row].exponential_(generator=seq.generator)
+            seed = seq.params.seed
+            if seed is not None and not seq.params.greedy:
+                noise[row] = position_noise(seed, len(seq.output_token_ids), vocab, self.device)
         return noise
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor | None, tokens: list[int], seqs: list[Sequence]
+        raw: torch.Tensor | None, tokens: list[int], seqs: list[SamplingRow]
     ) -> list[TokenLogprob | None]:
         if raw is None:
             return [None] * len(seqs)

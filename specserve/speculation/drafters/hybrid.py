@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.drafter import Drafter, DraftRequest, RequestView
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
 def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:

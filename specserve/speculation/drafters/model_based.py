@@ -9,17 +9,14 @@ target uses and return it, so verification can stay lossless.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from specserve.engine.block_manager import BlockManager
-from specserve.engine.model_runner import ForwardItem, ModelRunner
-from specserve.engine.sampler import Sampler
-from specserve.engine.sequence import Sequence
-from specserve.sampling_params import SamplingParams
-from specserve.spec.drafter import Drafter, DraftRequest, RequestView
-from specserve.spec.tree import EMPTY_TREE, DraftTree
+from specserve.model.forward import Forward, ForwardItem
+from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
+from specserve.speculation.sampler import Sampler
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
 @dataclass
@@ -34,10 +31,12 @@ class _ChainDrafter(Drafter):
     each drafted token back until its budget is used or the draft's confidence in its own pick
     falls below `stop_below` (a chain that is likely wrong costs forwards and buys nothing)."""
 
+    runs_a_model = True
+
     def __init__(
-        self, runner: ModelRunner, generator: torch.Generator, num_layers: int | None, stop_below: float = 0.0
+        self, forward: Forward, generator: torch.Generator, num_layers: int | None, stop_below: float = 0.0
     ) -> None:
-        self.runner = runner
+        self.forward = forward
         self.generator = generator
         self.num_layers = num_layers
         self.stop_below = stop_below
@@ -47,7 +46,7 @@ class _ChainDrafter(Drafter):
         live = list(range(len(chains)))
         step = 0
         while live:
-            logits, rows = self.runner.run(items, num_layers=self.num_layers)
+            logits, rows = self.forward(items, self.num_layers)
             picked = self._pick([chains[i] for i in live], logits[[r[0] for r in rows]])  # type: ignore[index]
             confident = set()
             for i, (tok, prob, conf) in zip(live, picked):
@@ -112,6 +111,23 @@ class LayerSkipDrafter(_ChainDrafter):
         return [next(trees) if r.budget > 0 else EMPTY_TREE for r in requests]
 
 
+class PagedKV(Protocol):
+    """A draft model's own paged KV cache, one block table per request."""
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """The request's block table, grown to hold `num_tokens`; None when no blocks are free."""
+
+    def release(self, request_id: str) -> None:
+        """Free every block of the request."""
+
+
+@dataclass
+class _DraftSide:
+    tokens: list[int]  # what the draft model has been fed (K/V valid for the first num_computed)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+
 class DraftModelDrafter(_ChainDrafter):
     """A smaller model with the same tokenizer, with its own paged KV cache.
 
@@ -121,11 +137,11 @@ class DraftModelDrafter(_ChainDrafter):
     """
 
     def __init__(
-        self, runner: ModelRunner, blocks: BlockManager, generator: torch.Generator, stop_below: float = 0.0
+        self, forward: Forward, kv: PagedKV, generator: torch.Generator, stop_below: float = 0.0
     ) -> None:
-        super().__init__(runner, generator, None, stop_below)
-        self.blocks = blocks
-        self._seqs: dict[str, Sequence] = {}
+        super().__init__(forward, generator, None, stop_below)
+        self.kv = kv
+        self._sides: dict[str, _DraftSide] = {}
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         chains: list[_Chain] = []
@@ -133,46 +149,45 @@ class DraftModelDrafter(_ChainDrafter):
         starts: list[int] = []
         ok: list[bool] = []
         for r in requests:
-            seq = self._sync(r.view) if r.budget > 0 else None
-            if seq is None or not self.blocks.allocate(seq, seq.num_tokens + r.budget):
+            side = self._sync(r.view) if r.budget > 0 else None
+            table = None if side is None else self.kv.reserve(r.view.request_id, len(side.tokens) + r.budget)
+            if side is None or table is None:
                 ok.append(False)
                 continue
+            side.block_table = table
             ok.append(True)
             chains.append(_Chain(r))
-            first.append(ForwardItem(list(seq.block_table), seq.num_computed_tokens,
-                                     seq.prompt_token_ids[seq.num_computed_tokens:]))
-            starts.append(seq.num_tokens - 1)
+            first.append(ForwardItem(list(table), side.num_computed, side.tokens[side.num_computed:]))
+            starts.append(len(side.tokens) - 1)
         trees = iter(self._draft(chains, first, starts) if chains else [])
         for c in chains:  # the draft has K/V for everything fed: committed tokens and chain[:-1]
-            seq = self._seqs[c.request.view.request_id]
-            seq.prompt_token_ids = list(c.request.view.token_ids) + c.tokens[:-1]
-            seq.num_computed_tokens = len(seq.prompt_token_ids)
+            side = self._sides[c.request.view.request_id]
+            side.tokens = list(c.request.view.token_ids) + c.tokens[:-1]
+            side.num_computed = len(side.tokens)
         return [next(trees) if good else EMPTY_TREE for good in ok]
 
     def _table(self, request: DraftRequest) -> list[int]:
-        return self._seqs[request.view.request_id].block_table
+        return self._sides[request.view.request_id].block_table
 
-    def _sync(self, view: RequestView) -> Sequence | None:
-        """The draft-side sequence for `view`, holding its tokens, K/V valid for the common prefix."""
+    def _sync(self, view: RequestView) -> _DraftSide:
+        """The draft side for `view`, holding its tokens, K/V valid for the common prefix."""
         tokens = list(view.token_ids)
-        seq = self._seqs.get(view.request_id)
-        if seq is None:
-            seq = Sequence(view.request_id, tokens, SamplingParams(), 0.0, max_total_len=1 << 30)
-            self._seqs[view.request_id] = seq
-            return seq
+        side = self._sides.get(view.request_id)
+        if side is None:
+            side = self._sides[view.request_id] = _DraftSide(tokens)
+            return side
         common = 0
-        old = seq.prompt_token_ids
-        limit = min(len(old), len(tokens), seq.num_computed_tokens)
+        old = side.tokens
+        limit = min(len(old), len(tokens), side.num_computed)
         while common < limit and old[common] == tokens[common]:
             common += 1
-        seq.prompt_token_ids = tokens
-        seq.num_computed_tokens = min(common, len(tokens) - 1)  # the last token is fed again
-        return seq
+        side.tokens = tokens
+        side.num_computed = min(common, len(tokens) - 1)  # the last token is fed again
+        return side
 
     def finish(self, request_id: str, view: RequestView) -> None:
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None:
-            self.blocks.free(seq)
+        if self._sides.pop(request_id, None) is not None:
+            self.kv.release(request_id)
 
 
 def check_same_tokenizer(target: Any, draft: Any) -> None:

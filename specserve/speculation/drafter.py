@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sampling_params import SamplingParams
-from specserve.spec.tree import DraftTree
+from specserve.speculation.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -45,20 +45,26 @@ class Drafter(ABC):
     - `propose` returns one tree per request, in order, each with at most `budget`
       nodes (budget 0 -> the empty tree). It must not change the requests.
     - Trees may be wrong: verification keeps only what the target agrees with.
-    - `observe` is called after each verification with what the target computed
-      (for drafters that learn from it); `finish` when a request leaves the engine,
-      finished or aborted, so per-request state can be dropped.
+    - `observe` is called after every step of a decoding request with what the target
+      computed (for drafters that learn from it): after verifying the drafter's tree, and
+      with the empty tree after a plain step or a step verifying another drafter's tree;
+      `finish` when a request leaves the engine, finished or aborted, so per-request state
+      can be dropped.
     """
 
     #: how many of the target's top token ids per verified node `observe` should get (0 = none)
     target_topk: int = 0
+    #: whether proposing runs a model forward per draft depth (its cost grows with the chain's
+    #: length) rather than a lookup per request
+    runs_a_model: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         ...
 
     def observe(self, view: RequestView, tree: DraftTree, target_top_ids: torch.Tensor | None) -> None:
-        """After verification of `tree` for `view` (the view before the accepted tokens were added).
+        """After a step of `view` (the view before the step's tokens were added) that verified `tree`
+        (the empty tree: a step that verified none of this drafter's nodes).
 
         target_top_ids: [len(tree) + 1, target_topk] the target's most likely next tokens at
         the root (row 0) and at each node (row i + 1), or None when target_topk is 0.

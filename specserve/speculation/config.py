@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_METHODS = ("none", "ngram", "suffix", "recycling", "draft-model", "layer-skip")
+SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "layer-skip")
+# What `auto` chooses among, per request: the drafters that cost a lookup, not a forward.
+AUTO_METHODS = ("suffix", "ngram", "recycling")
+CONTROLLERS = ("goodput", "fixed")
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculativeConfig:
     """Which drafter, and how many draft tokens per request per step.
 
-    method: none | ngram | suffix | recycling | draft-model | layer-skip, or several joined by
-        "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first
-    num_tokens: draft tokens (tree nodes) each decoding request may get per step (K); 0 = plain decoding
+    method: none | auto | ngram | suffix | recycling | draft-model | layer-skip, or several joined
+        by "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first. `auto`
+        keeps suffix, ngram and recycling side by side and drafts each request with the one
+        whose measured acceptance pays best for it.
+    num_tokens: the most draft tokens (tree nodes) a decoding request may get per step (K);
+        0 = plain decoding
+    controller: goodput (each step, the draft nodes whose expected tokens pay for their measured
+        cost, 0 included) | fixed (always K, the baseline)
     width: tree width for `ngram` (up to this many distinct continuations as branches); the
         other drafters choose their own tree shapes (recycling, suffix) or draft chains (models)
     draft_model: model for `draft-model` (alias, .gguf or HF directory); must share the tokenizer
@@ -23,6 +31,7 @@ class SpecConfig:
 
     method: str = "none"
     num_tokens: int = 4
+    controller: str = "goodput"
     width: int = 1
     draft_model: str | None = None
     draft_layers: int | None = None
@@ -30,9 +39,11 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         for part in self.methods:
-            if part not in SPEC_METHODS or (part == "none" and len(self.methods) > 1):
+            if part not in SPEC_METHODS or (part in ("none", "auto") and len(self.methods) > 1):
                 raise ValueError(f"spec: unknown method {part!r}; choose one of {', '.join(SPEC_METHODS)}, "
                                  "or several joined by '+'")
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"spec_controller: must be one of {', '.join(CONTROLLERS)}, got {self.controller!r}")
         if self.num_tokens < 0:
             raise ValueError(f"spec_tokens: must be >= 0, got {self.num_tokens}")
         if self.width < 1:
@@ -41,7 +52,7 @@ class SpecConfig:
             raise ValueError("draft_model: --spec draft-model needs --draft-model PATH")
         if not 0.0 <= self.draft_stop_below < 1.0:
             raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
-        if self.width > 1 and "ngram" not in self.methods:
+        if self.width > 1 and "ngram" not in self.drafters:
             raise ValueError(f"spec_width: only the ngram drafter takes a width, got {self.width} for {self.method!r}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers: must be >= 1, got {self.draft_layers}")
@@ -49,6 +60,11 @@ class SpecConfig:
     @property
     def methods(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.method.split("+"))
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters to build: `auto`'s set, or the methods named."""
+        return AUTO_METHODS if self.method == "auto" else self.methods
 
     @property
     def enabled(self) -> bool:

@@ -1,0 +1,118 @@
+"""Wiring speculation to an engine: the drafters' handles on the target and on a draft model,
+the forward-time probe the controller's cost model starts from, and the Speculator itself.
+
+This is the engine's side of the boundary: it may build runners and block managers; what it
+hands to `speculation` is only forwards, shapes and a paged-KV handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.model_runner import ForwardItem, ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from specserve.engine.sequence import Sequence
+from specserve.model.attention import make_backend
+from specserve.model.llama import LlamaForCausalLM
+from specserve.sampling_params import SamplingParams
+from specserve.speculation.config import SpeculativeConfig
+from specserve.speculation.controller import (
+    FixedController, ForwardProfile, GoodputController, StepCostModel,
+)
+from specserve.speculation.factory import ModelHandle, build_drafters
+from specserve.speculation.sampler import Sampler
+from specserve.speculation.speculator import Speculator
+from specserve.speculation.verifier import Verifier
+
+logger = logging.getLogger("specserve.engine")
+
+# Loads a draft model by name for a target context length: (model, tokenizer).
+DraftBuilder = Callable[[str, int], "tuple[LlamaForCausalLM, Any]"]
+
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class BlockPool:
+    """A draft model's paged cache as the draft-model drafter uses it: a block table per request."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+        self._seqs: dict[str, Sequence] = {}
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._seqs[request_id] = Sequence(request_id, [], SamplingParams(), 0.0, max_total_len=1 << 30)
+        return seq.block_table if self.blocks.allocate(seq, num_tokens) else None
+
+    def release(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+
+def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=PROBE_SIZES) -> dict[int, float]:
+    """Seconds of one forward by number of new tokens, measured on this machine before the first
+    request (the best of two runs each). Writes K/V only into blocks no request holds yet."""
+    bs = runner.block_size
+    fits = [n for n in sizes if n <= max_tokens and n <= num_blocks * bs] or [1]
+    table = list(range(min(num_blocks, -(-max(fits) // bs))))
+    seconds: dict[int, float] = {}
+    with torch.inference_mode():
+        runner.run([ForwardItem(table, 0, [0])])  # warm-up
+        for n in fits:
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                out = runner.run([ForwardItem(table, 0, [0] * n)])
+                out.logits.sum().item()  # wait for the device
+                best = min(best, time.perf_counter() - start)
+            seconds[n] = best
+    return seconds
+
+
+def build_speculator(
+    spec: SpeculativeConfig, config: EngineConfig, runner: ModelRunner, tokenizer: Any | None,
+    draft_builder: DraftBuilder | None,
+) -> Speculator:
+    device = torch.device(config.device)
+    sampler = Sampler(device, config.seed)
+    verifier = Verifier(sampler.generator)
+    if not spec.enabled:
+        return Speculator({}, sampler, verifier, 0, FixedController())
+    mc = runner.model.config
+    target = ModelHandle(runner.run, mc.vocab_size, mc.num_layers, device)
+    draft = _draft_model(spec, config, draft_builder) if "draft-model" in spec.drafters else None
+    drafters = build_drafters(spec, target, config.seed, draft, tokenizer)
+    if spec.controller == "fixed":
+        controller: GoodputController | FixedController = FixedController()
+    else:
+        num_blocks = runner.kv_cache[0][0].shape[0]
+        seconds = probe_forward(runner, num_blocks, min(config.scheduler.max_num_batched_tokens, config.max_model_len))
+        logger.info("forward time by tokens: %s", {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()})
+        controller = GoodputController(StepCostModel(ForwardProfile(seconds)))
+    return Speculator(drafters, sampler, verifier, spec.num_tokens, controller)
+
+
+def _draft_model(spec: SpeculativeConfig, config: EngineConfig, draft_builder: DraftBuilder | None) -> ModelHandle:
+    if draft_builder is None:
+        raise ValueError("draft_model: this engine was built without a way to load a draft model")
+    assert spec.draft_model is not None
+    device = torch.device(config.device)
+    # The draft sees the same positions as the target: its RoPE table must cover the target's context
+    # (build_model names max_model_len if the draft model cannot).
+    model, tokenizer = draft_builder(spec.draft_model, config.max_model_len)
+    bs = config.cache.block_size
+    kv_dtype = config.cache.dtype or config.dtype
+    num_blocks = max(16, config.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, kv_dtype))
+    mc = model.config
+    attention = make_backend(config.attention_backend, device, mc.num_heads, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    kv = allocate_kv_cache(model, num_blocks, bs, kv_dtype, device)
+    runner = ModelRunner(model, kv, bs, device, attention)
+    pool = BlockPool(BlockManager(num_blocks, bs, enable_prefix_caching=False))
+    return ModelHandle(runner.run, mc.vocab_size, mc.num_layers, device, kv=pool, tokenizer=tokenizer)

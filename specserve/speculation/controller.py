@@ -1,0 +1,304 @@
+"""How many draft nodes each decoding request gets this step: chosen for the batch's goodput.
+
+Goodput is the step's expected emitted tokens per second of step time. Every decoding request
+emits one token whatever happens; a draft node adds the chance that it is accepted, and costs
+what it adds to the step (one more token in the forward, and for the first node of a request the
+per-request cost of drafting and verifying a tree). The controller keeps exactly the draft nodes
+whose expected tokens pay for their cost at the batch's goodput, and none when nothing pays.
+
+- `AcceptanceModel`: per drafter and per request, the measured chance that a node is accepted
+  given that its parent was, by depth and by sibling rank; a request's estimate starts from its
+  drafter's history across requests and moves with what its own steps show.
+- `StepCostModel`: a step's seconds from its shape (tokens in the forward, requests carrying a
+  tree, attended context), fitted online from the engine's own steps on top of a short probe of
+  forward time by token count taken at start: right where 16 verified tokens cost 1.4x one (a
+  2-core CPU) and where 1 to 64 cost the same (a GPU).
+- `GoodputController.select`: given every request's candidate nodes sorted by value, the
+  selection that maximises (expected tokens) / (predicted seconds), by Dinkelbach's iteration:
+  at goodput g a node is kept when its value exceeds g x (its marginal cost), a request drafts
+  when its kept nodes together pay g x (its fixed cost); g is then recomputed, and the
+  iteration ends when the selection stops changing.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.speculation.tree import DraftTree
+
+
+@dataclass
+class _Counts:
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    def add(self, accepted: bool, decay: float) -> None:
+        self.accepted = self.accepted * decay + float(accepted)
+        self.tried = self.tried * decay + 1.0
+
+
+@dataclass
+class _Stats:
+    by_key: dict[tuple[int, int], _Counts] = field(default_factory=dict)
+    proposals: _Counts = field(default_factory=_Counts)  # asked to draft: did it propose anything?
+
+    def get(self, key: tuple[int, int]) -> _Counts:
+        c = self.by_key.get(key)
+        if c is None:
+            c = self.by_key[key] = _Counts()
+        return c
+
+
+class AcceptanceModel:
+    """P(node accepted | parent accepted), per drafter and per request, by (depth, sibling rank).
+
+    A request's rate is (its own accepted + m x prior) / (its own tried + m), where the prior is
+    the drafter's rate across requests (itself starting at `initial`), and both forget old steps
+    (`request_decay`, `drafter_decay` per observation): a moving estimate with a prior.
+    """
+
+    def __init__(
+        self, initial: float = 0.5, prior_weight: float = 4.0, request_decay: float = 0.9,
+        drafter_decay: float = 0.998, max_depth: int = 8, max_rank: int = 3,
+    ) -> None:
+        self.initial = initial
+        self.prior_weight = prior_weight
+        self.request_decay = request_decay
+        self.drafter_decay = drafter_decay
+        self.max_depth = max_depth
+        self.max_rank = max_rank
+        self._drafters: dict[str, _Stats] = {}
+        self._requests: dict[tuple[str, str], _Stats] = {}
+
+    def _key(self, depth: int, rank: int) -> tuple[int, int]:
+        return min(depth, self.max_depth), min(rank, self.max_rank)
+
+    def rate(self, drafter: str, request_id: str, depth: int, rank: int = 0) -> float:
+        key = self._key(depth, rank)
+        g = self._drafters.get(drafter)
+        prior = self.initial
+        if g is not None and key in g.by_key:
+            c = g.by_key[key]
+            prior = (c.accepted + self.initial) / (c.tried + 1.0)
+        r = self._requests.get((drafter, request_id))
+        if r is None or key not in r.by_key:
+            return prior
+        c = r.by_key[key]
+        return (c.accepted + self.prior_weight * prior) / (c.tried + self.prior_weight)
+
+    def proposes(self, drafter: str, request_id: str) -> float:
+        """The chance that `drafter`, asked to draft for the request, proposes anything."""
+        g = self._drafters.get(drafter)
+        prior = 1.0 if g is None else (g.proposals.accepted + 1.0) / (g.proposals.tried + 1.0)
+        r = self._requests.get((drafter, request_id))
+        if r is None:
+            return prior
+        return (r.proposals.accepted + self.prior_weight * prior) / (r.proposals.tried + self.prior_weight)
+
+    def chain_values(self, drafter: str, request_id: str, n: int) -> list[float]:
+        """The chance that each node of an n-node chain is accepted (rank-0 nodes, depth 1..n)."""
+        out, p = [], 1.0
+        for d in range(1, n + 1):
+            p *= self.rate(drafter, request_id, d)
+            out.append(p)
+        return out
+
+    def node_values(self, drafter: str, request_id: str, tree: DraftTree) -> list[float]:
+        """The chance that each node of `tree` is accepted: its parent is, its elder siblings are
+        not, and it is."""
+        values: list[float] = []
+        left: dict[int, float] = {}  # parent -> chance that no child tried so far was accepted
+        ranks: dict[int, int] = {}
+        for i, (p, d) in enumerate(zip(tree.parents, tree.depths())):
+            rank = ranks.get(p, 0)
+            ranks[p] = rank + 1
+            reach = (1.0 if p < 0 else values[p]) * left.get(p, 1.0)
+            a = self.rate(drafter, request_id, d, rank)
+            values.append(reach * a)
+            left[p] = left.get(p, 1.0) * (1.0 - a)
+        return values
+
+    def observe(self, drafter: str, request_id: str, tree: DraftTree, accepted: list[int]) -> None:
+        """Count every node tried (its parent was accepted, no elder sibling was) and whether it was."""
+        g = self._drafters.setdefault(drafter, _Stats())
+        r = self._requests.setdefault((drafter, request_id), _Stats())
+        reached = {-1} | set(accepted)
+        ranks: dict[int, int] = {}
+        done: set[int] = set()  # parents whose accepted child has been seen
+        depths = tree.depths()
+        for i, p in enumerate(tree.parents):
+            rank = ranks.get(p, 0)
+            ranks[p] = rank + 1
+            if p not in reached or p in done:
+                continue
+            ok = i in reached
+            key = self._key(depths[i], rank)
+            g.get(key).add(ok, self.drafter_decay)
+            r.get(key).add(ok, self.request_decay)
+            if ok:
+                done.add(p)
+
+    def observe_proposal(self, drafter: str, request_id: str, proposed: bool) -> None:
+        self._drafters.setdefault(drafter, _Stats()).proposals.add(proposed, self.drafter_decay)
+        self._requests.setdefault((drafter, request_id), _Stats()).proposals.add(proposed, self.request_decay)
+
+    def forget(self, request_id: str) -> None:
+        for key in [k for k in self._requests if k[1] == request_id]:
+            del self._requests[key]
+
+
+class ForwardProfile:
+    """Forward seconds by number of tokens, from a probe at start: piecewise linear between the
+    probed sizes, extended past the largest along the last segment's slope."""
+
+    def __init__(self, seconds_by_tokens: dict[int, float]) -> None:
+        if not seconds_by_tokens:
+            raise ValueError("forward profile: needs at least one probed size")
+        pts = sorted(seconds_by_tokens.items())
+        self.sizes = [n for n, _ in pts]
+        # Forward time never falls with more tokens: smooth the probe's noise into a rising curve.
+        self.seconds: list[float] = []
+        for _, s in pts:
+            self.seconds.append(max(s, self.seconds[-1]) if self.seconds else s)
+
+    def __call__(self, tokens: float) -> float:
+        xs, ys = self.sizes, self.seconds
+        if len(xs) == 1:
+            return ys[0] * max(tokens, 1.0) / xs[0]
+        i = min(max(bisect_left(xs, tokens), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's cost depends on: tokens in the forward, requests carrying a draft tree, and
+    the attended context (sum over new tokens of the tokens each attends to)."""
+
+    tokens: int
+    drafted: int = 0
+    attended: int = 0
+
+
+class StepCostModel:
+    """seconds = w0 + w1 x forward(tokens) + w2 x drafted + w3 x attended / 1e4, by recursive least
+    squares with forgetting, starting from the probe (w1 = 1, the rest 0). Drafting time is
+    measured apart (per drafter) and is not part of this model."""
+
+    def __init__(self, profile: ForwardProfile, forgetting: float = 0.99) -> None:
+        self.profile = profile
+        self.forgetting = forgetting
+        self.w = np.array([0.0, 1.0, 0.0, 0.0])
+        one = profile(1)
+        # Prior spreads in units of the measurement noise (about 5% of a one-token step): the
+        # probe's scale is trusted to within half, the other terms may be up to a step's size.
+        noise = 0.05 * one
+        self._p0 = np.diag(np.array([one, 0.5, 0.2 * one, one]) ** 2 / noise ** 2)
+        self.P = self._p0.copy()
+        self.observations = 0
+
+    def _x(self, shape: StepShape) -> np.ndarray:
+        return np.array([1.0, self.profile(shape.tokens), float(shape.drafted), shape.attended / 1e4])
+
+    def _weights(self) -> np.ndarray:
+        w = self.w.copy()
+        w[1:] = np.maximum(w[1:], 0.0)  # more tokens or trees never make a step faster
+        return w
+
+    def predict(self, shape: StepShape) -> float:
+        return max(float(self._x(shape) @ self._weights()), 1e-6)
+
+    def per_tree(self) -> float:
+        """Seconds a request adds by carrying a draft tree at all (masks, verification)."""
+        return max(float(self.w[2]), 0.0)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        x = self._x(shape)
+        px = self.P @ x
+        gain = px / (self.forgetting + float(x @ px))
+        self.w = self.w + gain * (seconds - float(x @ self.w))
+        self.P = (self.P - np.outer(gain, px)) / self.forgetting
+        # Forgetting inflates P along directions the steps never vary (no drafts for a while);
+        # keep it within the prior's size so one odd step cannot swing the model.
+        ratio = np.trace(self.P) / np.trace(self._p0)
+        if ratio > 1.0:
+            self.P /= ratio
+        self.observations += 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One decoding request's draft nodes, in an order where parents come first and values fall:
+    values[j] = the chance node j is accepted; fixed_cost = seconds the request adds by drafting
+    at all (verifying a tree, proposing), beyond its tokens."""
+
+    values: tuple[float, ...]
+    fixed_cost: float = 0.0
+    node_cost: float = 0.0  # seconds each node adds beyond its forward token (a draft model's forward)
+
+
+@dataclass(frozen=True)
+class Selection:
+    counts: tuple[int, ...]  # nodes kept per candidate (a prefix of its values)
+    expected_tokens: float  # the step's expected emitted tokens
+    seconds: float  # its predicted time
+    expected_accepted: float  # of which accepted draft nodes
+
+
+class GoodputController:
+    """Keeps, across the batch, the draft nodes that raise expected tokens per second."""
+
+    def __init__(self, cost: StepCostModel, max_iterations: int = 8) -> None:
+        self.cost = cost
+        self.max_iterations = max_iterations
+
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> Selection:
+        """base: the step without drafts; sampling_rows: requests that emit a token this step."""
+        best = self._evaluate(base, sampling_rows, candidates, [0] * len(candidates))
+        per_tree = self.cost.per_tree()
+        base_seconds = self.cost.predict(base)
+        for _ in range(self.max_iterations):
+            g = best.expected_tokens / best.seconds
+            # The forward's cost per draft token: a secant over the nodes selected so far (at least one).
+            span = max(sum(best.counts), 1)
+            wider = StepShape(base.tokens + span, base.drafted, base.attended)
+            per_token = (self.cost.predict(wider) - base_seconds) / span
+            counts = []
+            for c in candidates:
+                gain, k = 0.0, 0
+                cost = per_token + c.node_cost
+                for j, v in enumerate(c.values):
+                    if v <= g * cost:
+                        break
+                    gain += v - g * cost
+                    k = j + 1
+                counts.append(k if gain > g * (per_tree + c.fixed_cost) else 0)
+            if tuple(counts) == best.counts:
+                break
+            trial = self._evaluate(base, sampling_rows, candidates, counts)
+            if trial.expected_tokens / trial.seconds <= g:
+                break
+            best = trial
+        return best
+
+    def _evaluate(self, base: StepShape, rows: int, candidates: list[Candidate], counts: list[int]) -> Selection:
+        accepted = sum(sum(c.values[:k]) for c, k in zip(candidates, counts))
+        drafted = sum(1 for k in counts if k)
+        shape = StepShape(base.tokens + sum(counts), base.drafted + drafted, base.attended)
+        drafting = sum(c.fixed_cost + k * c.node_cost for c, k in zip(candidates, counts) if k)
+        seconds = self.cost.predict(shape) + drafting
+        return Selection(tuple(counts), rows + accepted, seconds, accepted)
+
+
+class FixedController:
+    """No selection: every request keeps all the nodes it was granted (the `--spec-controller
+    fixed` baseline, and the reference the goodput controller is measured against)."""
+
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> Selection:
+        counts = tuple(len(c.values) for c in candidates)
+        accepted = sum(sum(c.values) for c in candidates)
+        return Selection(counts, sampling_rows + accepted, math.nan, accepted)

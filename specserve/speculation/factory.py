@@ -1,0 +1,101 @@
+"""Build the drafters a SpeculativeConfig names, from handles on the target (and a draft model)
+that the engine passes down: a forward to call, a vocabulary size, a layer count. Nothing here
+imports the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from specserve.model.forward import Forward
+from specserve.speculation.config import SpeculativeConfig
+from specserve.speculation.drafter import Drafter
+from specserve.speculation.drafters.model_based import PagedKV
+
+# Layers the layer-skip drafter uses for a known model when none is given, chosen by measurement
+# (BENCHMARKS.md); `with_model_defaults` fills them in.
+DEFAULT_DRAFT_LAYERS = {"smollm2-135m": 24}
+
+
+def with_model_defaults(spec: SpeculativeConfig, model: str) -> SpeculativeConfig:
+    """`spec` with the measured per-model defaults filled in where the user gave none."""
+    if "layer-skip" in spec.drafters and spec.draft_layers is None and model in DEFAULT_DRAFT_LAYERS:
+        return replace(spec, draft_layers=DEFAULT_DRAFT_LAYERS[model])
+    return spec
+
+
+def default_draft_layers(num_layers: int) -> int:
+    return max(1, num_layers // 2)
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """A model as drafters see it: its forward over the engine's flat batches, and its shape.
+    For the target, `kv` is None (drafters that run it write into the target's own cache); a
+    draft model brings a paged cache of its own, and its tokenizer for the vocabulary check."""
+
+    forward: Forward
+    vocab_size: int
+    num_layers: int
+    device: torch.device
+    kv: PagedKV | None = None
+    tokenizer: Any | None = None
+
+
+def build_drafters(
+    spec: SpeculativeConfig, target: ModelHandle, seed: int, draft: ModelHandle | None = None,
+    target_tokenizer: Any | None = None,
+) -> dict[str, Drafter]:
+    """The drafters to choose among, by name: one (several joined by '+' are merged into one
+    hybrid), or `auto`'s set, each its own."""
+    if spec.method == "auto":
+        return {m: _build_one(m, spec, target, seed, draft, target_tokenizer) for m in spec.drafters}
+    if len(spec.methods) > 1:
+        from specserve.speculation.drafters.hybrid import HybridDrafter
+
+        return {spec.method: HybridDrafter(
+            [_build_one(m, spec, target, seed, draft, target_tokenizer) for m in spec.methods]
+        )}
+    return {spec.method: _build_one(spec.method, spec, target, seed, draft, target_tokenizer)}
+
+
+def _build_one(
+    method: str, spec: SpeculativeConfig, target: ModelHandle, seed: int, draft: ModelHandle | None,
+    target_tokenizer: Any | None,
+) -> Drafter:
+    gen = torch.Generator(device=target.device)
+    gen.manual_seed(seed + 1)
+    if method == "ngram":
+        from specserve.speculation.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(max_width=spec.width)
+    if method == "suffix":
+        from specserve.speculation.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter()
+    if method == "recycling":
+        from specserve.speculation.drafters.recycling import RecyclingDrafter
+
+        return RecyclingDrafter(vocab_size=target.vocab_size, topk=min(8, target.vocab_size))
+    if method == "layer-skip":
+        from specserve.speculation.drafters.model_based import LayerSkipDrafter
+
+        total = target.num_layers
+        layers = spec.draft_layers or default_draft_layers(total)
+        if not 1 <= layers < total:
+            raise ValueError(f"draft_layers: must be between 1 and {total - 1} for this model, got {layers}")
+        return LayerSkipDrafter(target.forward, gen, layers, spec.draft_stop_below)
+    if method == "draft-model":
+        from specserve.speculation.drafters.model_based import DraftModelDrafter, check_same_tokenizer
+
+        if draft is None or draft.kv is None:
+            raise ValueError("draft_model: this engine was built without a way to load a draft model")
+        check_same_tokenizer(target_tokenizer, draft.tokenizer)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft_model: vocabulary size {draft.vocab_size} differs from the target's {target.vocab_size}"
+            )
+        return DraftModelDrafter(draft.forward, draft.kv, gen, spec.draft_stop_below)
+    raise ValueError(f"spec: no drafter for method {method!r}")

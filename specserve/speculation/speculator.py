@@ -1,0 +1,389 @@
+"""The one object between the engine and speculation.
+
+Each step the engine calls, in order:
+
+    propose(decodes, base, sampling_rows) -> draft trees for some decodes
+    verify(items, drafts, logits)         -> a verdict per sampling item (plain rows too)
+    observe(seconds)                      -> the step's outcome and its measured time
+and finish(request_id, view) when a request leaves.
+
+`propose` asks the controller twice. Before drafting, from each request's measured acceptance
+(and, with several drafters, for the drafter that pays best for it), how many nodes are worth
+drafting at all, since drafting costs time of its own; after drafting, from the trees actually
+proposed, which nodes are worth verifying. Drafting is optional: a drafter that fails costs its
+drafts, never a request, and one that fails every time is switched off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specserve.speculation.controller import (
+    AcceptanceModel, Candidate, FixedController, GoodputController, StepShape,
+)
+from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
+from specserve.speculation.sampler import Sampler, SamplingRow
+from specserve.speculation.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.verifier import Verdict, Verifier, failed
+
+logger = logging.getLogger("specserve.speculation")
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A decoding request that may draft this step: its place in the batch, and what its drafter
+    may read (`request.budget` is the most nodes the scheduler reserved room for)."""
+
+    index: int
+    request: DraftRequest
+
+
+@dataclass(frozen=True)
+class SampleItem:
+    """A batch item that emits tokens this step: its place, the request, its logits rows."""
+
+    index: int
+    row: SamplingRow
+    rows: tuple[int, int]  # (first row, count): 1 for a plain step, 1 + len(tree) with a draft
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Totals since start, for /metrics and benchmarks."""
+
+    steps: int = 0
+    grants: tuple[tuple[int, int], ...] = ()  # (draft nodes a decoding request was given, how often)
+    predicted_accepted: float = 0.0  # what the acceptance model expected of the verified nodes
+    accepted: int = 0  # what verification accepted of them
+    cost_predicted_seconds: float = 0.0  # the cost model's step times, where it predicted one
+    cost_actual_seconds: float = 0.0  # the same steps, measured
+    cost_abs_error_seconds: float = 0.0
+    cost_steps: int = 0
+    drafted_with: tuple[tuple[str, int], ...] = ()  # (drafter, request-steps verified with its tree)
+
+    @property
+    def cost_relative_error(self) -> float:
+        """Mean |predicted - measured| / measured step time."""
+        return self.cost_abs_error_seconds / self.cost_actual_seconds if self.cost_actual_seconds else 0.0
+
+
+@dataclass
+class _Drafted:
+    name: str
+    view: RequestView
+    tree: DraftTree  # what is verified
+    predicted: float  # expected accepted nodes
+
+
+@dataclass
+class _Step:
+    asked: list[tuple[str, str, bool]] = field(default_factory=list)  # (drafter, request, proposed anything)
+    drafted: dict[int, _Drafted] = field(default_factory=dict)
+    grants: list[int] = field(default_factory=list)
+    shape: StepShape | None = None
+    predicted_seconds: float | None = None
+    propose_seconds: float = 0.0
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
+    plain_ids: dict[int, str] = field(default_factory=dict)  # items that decoded without a draft
+    plain_views: dict[int, RequestView] = field(default_factory=dict)
+    top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Speculator:
+    # After this many drafter failures in a row, speculation is switched off for good.
+    MAX_FAILURES = 20
+
+    def __init__(
+        self,
+        drafters: dict[str, Drafter],
+        sampler: Sampler,
+        verifier: Verifier,
+        max_tokens: int,
+        controller: GoodputController | FixedController,
+        acceptance: AcceptanceModel | None = None,
+        explore_every: int = 16,
+    ) -> None:
+        self.drafters = dict(drafters)
+        self.sampler = sampler
+        self.verifier = verifier
+        self.max_tokens = max_tokens
+        self.controller = controller
+        self.acceptance = acceptance or AcceptanceModel()
+        self.explore_every = explore_every
+        self._propose_cost: dict[str, float] = {}  # seconds per request (lookups) or per depth (models)
+        self._since_draft: dict[str, int] = {}  # request -> steps since its last verified draft
+        self._step = _Step()
+        self._failures = 0
+        self._stats = SpeculationStats()
+        self._grants: Counter[int] = Counter()
+        self._drafted_with: Counter[str] = Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.drafters) and self.max_tokens > 0
+
+    def cap(self, tokens_left: int) -> int:
+        """The most draft nodes a decoding request with `tokens_left` to generate may be given:
+        the bonus token comes on top of the drafts, so at most tokens_left - 1."""
+        return max(0, min(self.max_tokens, tokens_left - 1)) if self.enabled else 0
+
+    # -- propose -------------------------------------------------------------------------------
+    def propose(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> dict[int, DraftTree]:
+        """Draft trees for the decodes worth drafting for, keyed by batch index. `base` is the
+        step's shape without drafts; `sampling_rows` the items that emit a token."""
+        self._step = _Step(shape=base)
+        decodes = [d for d in decodes if d.request.budget > 0]
+        if not self.enabled or not decodes:
+            self._step.grants = [0] * len(decodes)
+            return {}
+        names = [self._choose(d.request) for d in decodes]
+        grants = self._grant(decodes, names, base, sampling_rows)
+        proposed = self._run_drafters(decodes, names, grants)
+        return self._select(decodes, names, proposed, grants, base, sampling_rows)
+
+    def _choose(self, request: DraftRequest) -> str:
+        """The drafter expected to give this request the most accepted tokens."""
+        if len(self.drafters) == 1:
+            return next(iter(self.drafters))
+        rid = request.view.request_id
+
+        def worth(name: str) -> float:
+            a = self.acceptance
+            return a.proposes(name, rid) * sum(a.chain_values(name, rid, request.budget))
+
+        return max(self.drafters, key=worth)
+
+    def _grant(self, decodes: list[Decode], names: list[str], base: StepShape, rows: int) -> list[int]:
+        """Nodes each request may draft: what its expected acceptance pays for, counting the
+        drafter's own time; now and then one node for a request given none, to keep measuring."""
+        a = self.acceptance
+        candidates = []
+        for d, name in zip(decodes, names):
+            rid = d.request.view.request_id
+            chance = a.proposes(name, rid)
+            values = tuple(chance * v for v in a.chain_values(name, rid, d.request.budget))
+            cost = self._propose_cost.get(name, 0.0)
+            if self.drafters[name].runs_a_model:
+                candidates.append(Candidate(values, node_cost=cost))
+            else:
+                candidates.append(Candidate(values, fixed_cost=cost))
+        grants = list(self.controller.select(base, rows, candidates).counts)
+        for i, d in enumerate(decodes):
+            rid = d.request.view.request_id
+            if grants[i] == 0 and self._since_draft.get(rid, 0) + 1 >= self.explore_every:
+                grants[i] = 1
+        return grants
+
+    def _run_drafters(self, decodes: list[Decode], names: list[str], grants: list[int]) -> dict[int, DraftTree]:
+        """Each drafter proposes for the requests it was chosen for and granted nodes; by position."""
+        out: dict[int, DraftTree] = {}
+        for name, drafter in list(self.drafters.items()):
+            group = [i for i, n in enumerate(names) if n == name and grants[i] > 0]
+            if not group:
+                continue
+            requests = [replace(decodes[i].request, budget=grants[i]) for i in group]
+            start = time.perf_counter()
+            try:
+                trees = drafter.propose(requests)
+            except Exception:  # noqa: BLE001 - drafts are optional: these requests decode plainly
+                self._failed("propose")
+                continue
+            seconds = time.perf_counter() - start
+            self._step.propose_seconds += seconds
+            self._failures = 0
+            units = max(grants[i] for i in group) if drafter.runs_a_model else len(group)
+            old = self._propose_cost.get(name)
+            per = seconds / units
+            self._propose_cost[name] = per if old is None else 0.8 * old + 0.2 * per
+            for i, tree in zip(group, trees):
+                tree = tree.truncated(grants[i])
+                self._step.asked.append((name, decodes[i].request.view.request_id, len(tree) > 0))
+                if len(tree) > 0:
+                    out[i] = tree
+        return out
+
+    def _select(
+        self, decodes: list[Decode], names: list[str], proposed: dict[int, DraftTree], grants: list[int],
+        base: StepShape, rows: int,
+    ) -> dict[int, DraftTree]:
+        """Of the proposed nodes, the ones worth verifying (drafting time is spent by now)."""
+        a = self.acceptance
+        order: dict[int, list[int]] = {}
+        values: dict[int, list[float]] = {}
+        for i, tree in proposed.items():
+            v = a.node_values(names[i], decodes[i].request.view.request_id, tree)
+            # Highest value first; a child never beats its parent, so parents stay first.
+            order[i] = sorted(range(len(tree)), key=lambda n: (-v[n], n))
+            values[i] = v
+        keys = list(proposed)
+        sel = self.controller.select(
+            base, rows, [Candidate(tuple(values[i][n] for n in order[i])) for i in keys]
+        )
+        drafts: dict[int, DraftTree] = {}
+        kept_tokens = 0
+        attended = 0
+        step = self._step
+        for i, k in zip(keys, sel.counts):
+            rid = decodes[i].request.view.request_id
+            if k == 0 and grants[i] == 1 and self._since_draft.get(rid, 0) + 1 >= self.explore_every:
+                k = 1  # the exploring node stays
+            if k == 0:
+                continue
+            kept = order[i][:k]
+            tree = proposed[i].keep(kept)
+            drafts[decodes[i].index] = tree
+            kept_tokens += k
+            attended += k * (decodes[i].request.num_computed + 1 + k)
+            step.drafted[decodes[i].index] = _Drafted(
+                names[i], decodes[i].request.view, tree, sum(values[i][n] for n in kept)
+            )
+        step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
+        step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended)
+        cost = getattr(self.controller, "cost", None)
+        if cost is not None:
+            step.predicted_seconds = cost.predict(step.shape)
+        return drafts
+
+    # -- verify --------------------------------------------------------------------------------
+    def verify(self, items: list[SampleItem], drafts: dict[int, DraftTree], logits: torch.Tensor) -> dict[int, Verdict]:
+        """Per item, the tokens it emits: a plain draw, or its draft tree's verdict."""
+        verdicts: dict[int, Verdict] = {}
+        plain = [it for it in items if it.index not in drafts]
+        if plain:
+            plain_logits = logits[[it.rows[0] for it in plain]]
+            verdicts.update(zip((it.index for it in plain), self._sample(plain_logits, [it.row for it in plain])))
+        for it in items:
+            tree = drafts.get(it.index)
+            if tree is None:
+                continue
+            start, count = it.rows
+            try:
+                verdicts[it.index] = self.verifier.verify(it.row, tree, logits[start : start + count])
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                logger.exception("verification failed for request %s", it.row.request_id)
+                verdicts[it.index] = failed(f"internal error: {type(e).__name__}: {e}")
+        self._step.verdicts = verdicts
+        self._step.plain_ids = {it.index: it.row.request_id for it in plain}
+        self._keep_top_ids(items, drafts, logits)
+        return verdicts
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Verdict]:
+        """Plain decoding's draw for each row; if the batched draw raises, row by row, so that only
+        the rows that fail alone fail."""
+        try:
+            out = self.sampler(logits, rows)
+        except Exception as e:  # noqa: BLE001
+            if len(rows) == 1:
+                logger.exception("sampling failed for request %s", rows[0].request_id)
+                return [failed(f"internal error: {type(e).__name__}: {e}")]
+            return [v for i, row in enumerate(rows) for v in self._sample(logits[i : i + 1], [row])]
+        return [
+            failed(err) if err is not None else Verdict([], [tok], [lp])
+            for tok, lp, err in zip(out.token_ids, out.logprobs, out.errors)
+        ]
+
+    def _keep_top_ids(self, items: list[SampleItem], drafts: dict[int, DraftTree], logits: torch.Tensor) -> None:
+        """For drafters that learn from the target: its top tokens at every verified row."""
+        k = max((d.target_topk for d in self.drafters.values()), default=0)
+        if k <= 0 or not items:
+            return
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices.cpu()
+        for it in items:
+            start, count = it.rows
+            self._step.top_ids[it.index] = top[start : start + count]
+            if it.index not in drafts:
+                row = it.row
+                self._step.plain_views[it.index] = RequestView(
+                    row.request_id, tuple(row.prompt_token_ids), tuple(row.output_token_ids), row.params
+                )
+
+    # -- observe -------------------------------------------------------------------------------
+    def observe(self, seconds: float) -> None:
+        """The step is done and took `seconds`: every model learns what it showed."""
+        step = self._step
+        self._step = _Step()
+        if not self.enabled:
+            return
+        a = self.acceptance
+        for name, rid, proposed in step.asked:
+            a.observe_proposal(name, rid, proposed)
+        predicted = 0.0
+        accepted = 0
+        for index, d in step.drafted.items():
+            verdict = step.verdicts.get(index)
+            if verdict is None or verdict.error is not None:
+                continue
+            rid = d.view.request_id
+            a.observe(d.name, rid, d.tree, verdict.accepted)
+            predicted += d.predicted
+            accepted += len(verdict.accepted)
+            self._since_draft[rid] = 0
+            self._drafted_with[d.name] += 1
+            self._tell_drafters(d.view, d.name, d.tree, step.top_ids.get(index))
+        for index, view in step.plain_views.items():
+            verdict = step.verdicts.get(index)
+            if verdict is not None and verdict.error is None:
+                self._tell_drafters(view, None, EMPTY_TREE, step.top_ids.get(index))
+        for index, rid in step.plain_ids.items():
+            self._since_draft[rid] = self._since_draft.get(rid, 0) + 1
+        self._grants.update(step.grants)
+        cost = getattr(self.controller, "cost", None)
+        s = self._stats
+        cost_fields = {}
+        if cost is not None and step.shape is not None and step.predicted_seconds is not None:
+            forward_seconds = max(seconds - step.propose_seconds, 1e-6)
+            cost.observe(step.shape, forward_seconds)
+            cost_fields = dict(
+                cost_predicted_seconds=s.cost_predicted_seconds + step.predicted_seconds,
+                cost_actual_seconds=s.cost_actual_seconds + forward_seconds,
+                cost_abs_error_seconds=s.cost_abs_error_seconds + abs(step.predicted_seconds - forward_seconds),
+                cost_steps=s.cost_steps + 1,
+            )
+        self._stats = replace(
+            s, steps=s.steps + 1, predicted_accepted=s.predicted_accepted + predicted, accepted=s.accepted + accepted,
+            grants=tuple(sorted(self._grants.items())), drafted_with=tuple(sorted(self._drafted_with.items())),
+            **cost_fields,
+        )
+
+    def _tell_drafters(
+        self, view: RequestView, verified_by: str | None, tree: DraftTree, top: torch.Tensor | None
+    ) -> None:
+        for name, drafter in list(self.drafters.items()):
+            mine = name == verified_by
+            if not mine and drafter.target_topk <= 0:
+                continue
+            rows = None
+            if top is not None and drafter.target_topk > 0:
+                rows = top[: (len(tree) + 1) if mine else 1, : drafter.target_topk]
+            try:
+                drafter.observe(view, tree if mine else EMPTY_TREE, rows)
+            except Exception:  # noqa: BLE001 - a drafter that cannot learn still drafts
+                self._failed("observe")
+
+    def finish(self, request_id: str, view: RequestView) -> None:
+        """The request left the engine (finished, aborted or failed)."""
+        self.acceptance.forget(request_id)
+        self._since_draft.pop(request_id, None)
+        for drafter in list(self.drafters.values()):
+            try:
+                drafter.finish(request_id, view)
+            except Exception:  # noqa: BLE001 - the request is done either way
+                self._failed("finish")
+
+    def stats(self) -> SpeculationStats:
+        return self._stats
+
+    def _failed(self, stage: str) -> None:
+        """The first failure is logged with its traceback, later ones counted; a drafter failing
+        every time is switched off."""
+        self._failures += 1
+        if self._failures == 1:
+            logger.exception("drafter failed in %s; the step goes on without it", stage)
+        if self._failures >= self.MAX_FAILURES:
+            logger.error("drafter failed %d times in a row; speculation is off from now on", self._failures)
+            self.drafters = {}
