@@ -164,10 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_args(tp, plot=True)
     tp.set_defaults(func=cmd_bench_throughput)
 
-    sp = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench, batch 1, every drafter")
+    sp = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench (or another dataset), every "
+                              "drafter; NAME:fixed or NAME:goodput picks a row's controller")
     EngineArgs.add_cli_args(sp)
     sp.add_argument("--methods", default=None, help="comma-separated subset (default: all; `none` always runs)")
     sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
+    sp.add_argument("--batch", type=int, default=1,
+                    help="requests generated together (default 1: one at a time, with per-category rows)")
     sp.add_argument("--max-tokens", type=int, default=256)
     sp.add_argument("--dataset", default=None, help=dataset_help)
     sp.add_argument("--dataset-path", default=None, help="the named dataset's file, where not its default one")

@@ -35,13 +35,17 @@ from specserve.bench.report import (
     progress,
 )
 from specserve.bench.throughput import _sync
-from specserve.engine.sequence import DraftCounters
+from specserve.outputs import DraftCounters
 
 SPEC_COLUMNS = (
     Column("method", "method"),
     Column("tokens_per_s", "tok/s", ".1f"),
     Column("speedup_vs_none", "vs none", ".2f"),
     Column("mean_accepted_length", "acc. len", ".2f"),
+    Column("grant_mean", "grant", ".2f"),
+    Column("predicted_accepted", "pred. acc.", ".0f"),
+    Column("accepted", "acc.", ".0f"),
+    Column("cost_error", "cost err", ".1%"),
 )
 
 
@@ -66,6 +70,7 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     k = a.spec_tokens
     all_methods: dict[str, dict[str, Any] | None] = {
         "none": None,
+        "auto": dict(method="auto", num_tokens=k),
         "ngram": dict(method="ngram", num_tokens=k, width=a.spec_width),
         "suffix": dict(method="suffix", num_tokens=k),
         "recycling": dict(method="recycling", num_tokens=k),
@@ -78,6 +83,14 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
                                           draft_stop_below=a.draft_stop_below)
     names = a.methods.split(",") if a.methods else list(all_methods)
+    controller = getattr(a, "spec_controller", "goodput")
+    for name in list(all_methods):  # NAME:fixed / NAME:goodput pick the controller for one row
+        for c in ("fixed", "goodput"):
+            spec = all_methods[name]
+            if spec is not None:
+                all_methods[f"{name}:{c}"] = dict(spec, controller=c)
+        if all_methods[name] is not None:
+            all_methods[name] = dict(all_methods[name], controller=controller)  # type: ignore[arg-type]
     unknown = [n for n in names if n not in all_methods]
     if unknown:
         hint = " (draft-model needs --draft-model PATH)" if "draft-model" in unknown else ""
@@ -105,26 +118,38 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     verify_cost: list[dict[str, float]] = []
     methods = _methods(a)
     bar = None
+    batch = max(1, getattr(a, "batch", 1))
+    control: dict[str, dict[str, Any]] = {}
+    # Every method's engine is built first, then each batch of prompts runs on every method in
+    # turn (interleaved), so that a machine whose speed drifts over minutes favours none of them.
+    llms = {}
     for name, spec in methods:
-        llm = LLM.from_engine_args(base.with_(speculative=spec))
+        llm = llms[name] = LLM.from_engine_args(base.with_(speculative=spec))
         if prompts is None:
             questions = load_questions(dataset, a.per_category, a.max_tokens, llm.tokenizer)
             prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
             verify_cost = measure_verify_cost(llm, prompts[0])
             bar = progress(len(methods) * len(prompts), "spec bench generations")
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
-        stats: dict[str, Tally] = defaultdict(Tally)
-        for (cat, _), prompt in zip(questions, prompts):
+    assert prompts is not None and bar is not None
+    stats = {name: defaultdict(Tally) for name in llms}
+    for start in range(0, len(prompts), batch):  # batch 1: one request at a time, per category
+        group = list(range(start, min(start + batch, len(prompts))))
+        for name, llm in llms.items():
             t = time.perf_counter()
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            outs = llm.generate([prompts[i] for i in group], params, use_tqdm=False)
             dt = time.perf_counter() - t
-            for key in (cat, "overall"):
-                stats[key].add(len(out.token_ids), dt, out.metrics.speculation)
-            bar.update(1)
-        per_method[name] = dict(stats)
-        o = stats["overall"]
+            for i, out in zip(group, outs):
+                keys = (questions[i][0], "overall") if batch == 1 else ("overall",)
+                for key in keys:
+                    stats[name][key].add(len(out.token_ids), dt / len(group), out.metrics.speculation)
+            bar.update(len(group))
+    for name, llm in llms.items():
+        per_method[name] = dict(stats[name])
+        control[name] = _control_row(llm.engine.speculation_stats())
+        o = stats[name]["overall"]
         bar.write(f"{name:<22} {o.rate:7.1f} tok/s  accepted/step {o.mean_accepted_length:.2f}", file=sys.stderr)
-        del llm
+    del llms
     if bar is not None:
         bar.close()
 
@@ -139,10 +164,12 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
                 "method": name, "category": cat, "tokens_per_s": round(tally.rate, 2),
                 "speedup_vs_none": round(tally.rate / none[cat].rate, 3),
                 "mean_accepted_length": round(tally.mean_accepted_length, 3),
+                **(control.get(name, {}) if cat == "overall" else {}),
             })
     _print_table(rows)
     report = BenchReport(
-        f"specserve bench spec: {a.model}, {dataset.name}, batch 1, {a.max_tokens} new tokens, K = {a.spec_tokens}",
+        f"specserve bench spec: {a.model}, {dataset.name}, batch {batch}, {a.max_tokens} new tokens, "
+        f"K = {a.spec_tokens}",
         tuple(rows), SPEC_COLUMNS,
         fields={"verify_cost": verify_cost, "model": a.model, "max_tokens": a.max_tokens,
                 "per_category": a.per_category, "spec_tokens": a.spec_tokens, "threads": torch.get_num_threads(),
@@ -150,6 +177,21 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         shown_rows=tuple(r for r in rows if r["category"] == "overall"))
     write_spec_outputs(report, paths)
     return rows
+
+
+def _control_row(s: Any) -> dict[str, Any]:
+    """The controller's record for a method's run: mean grant per decoding request-step, expected
+    vs accepted draft tokens of the nodes it kept, and the cost model's mean relative error."""
+    grants = dict(s.grants)
+    n = sum(grants.values())
+    return {
+        "grant_mean": round(sum(k * c for k, c in grants.items()) / n, 3) if n else None,
+        "grant_histogram": {str(k): c for k, c in sorted(grants.items())},
+        "predicted_accepted": round(s.predicted_accepted, 1),
+        "accepted": s.accepted,
+        "cost_error": round(s.cost_relative_error, 4) if s.cost_steps else None,
+        "drafted_with": dict(s.drafted_with),
+    }
 
 
 def write_spec_outputs(report: BenchReport, paths: ReportPaths) -> None:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from specserve.engine.engine import EngineStats, LLMEngine
-from specserve.engine.sequence import DraftCounters
+from specserve.outputs import DraftCounters
+from specserve.speculation.speculator import SpeculationStats
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -89,6 +90,7 @@ class EngineSnapshot:
     stats: EngineStats
     spec: DraftCounters
     queued: int  # requests submitted but not yet added to the engine
+    control: SpeculationStats = SpeculationStats()  # the speculation controller's record
 
     @property
     def num_waiting(self) -> int:
@@ -170,7 +172,7 @@ class AsyncEngine:
         self._draining = False  # event-loop side: shutdown has begun, new requests are refused
         self._lock = threading.Lock()  # guards _snapshot and _queued (both threads)
         self._queued = 0
-        self._snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0)
+        self._snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0, engine.speculation_stats())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._routes: dict[str, asyncio.Queue[Any]] = {}  # event-loop side only
@@ -378,7 +380,7 @@ class AsyncEngine:
             self._post(self._dispatch, outputs)
 
     def _publish(self, engine: LLMEngine, added: int) -> None:
-        snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0)
+        snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0, engine.speculation_stats())
         with self._lock:
             self._snapshot = snapshot
             self._queued -= added

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from specserve.outputs import RequestOutput
 from specserve.server.engine_loop import EngineSnapshot
+from specserve.speculation.speculator import SpeculationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_STATUSES = ("success", "error", "abort")
@@ -57,6 +58,38 @@ class EngineCollector(Collector):
         for depth, count in enumerate(spec.accepted_per_position, start=1):
             by_position.add_metric([str(depth)], count)
         yield by_position
+        yield from _control_metrics(snap.control)
+
+
+def _control_metrics(c: SpeculationStats) -> Iterator[Metric]:
+    """What the speculation controller granted, how well it predicted acceptance and step time."""
+    grants = dict(c.grants)
+    edges = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+    yield HistogramMetricFamily(
+        "specserve_spec_grant_tokens", "Draft tokens the controller gave a decoding request in a step (0 = plain)",
+        buckets=[(str(le), sum(n for k, n in grants.items() if k <= le)) for le in edges]
+        + [("+Inf", sum(grants.values()))],
+        sum_value=sum(k * n for k, n in grants.items()),
+    )
+    yield CounterMetricFamily("specserve_spec_predicted_accepted_tokens",
+                              "Accepted draft tokens the controller expected of the nodes it kept",
+                              value=c.predicted_accepted)
+    yield CounterMetricFamily("specserve_spec_controller_accepted_tokens",
+                              "Accepted draft tokens of the nodes the controller kept (compare with predicted)",
+                              value=c.accepted)
+    yield CounterMetricFamily("specserve_spec_cost_predicted_seconds",
+                              "Step time the cost model predicted, summed over the steps it predicted",
+                              value=c.cost_predicted_seconds)
+    yield CounterMetricFamily("specserve_spec_cost_measured_seconds",
+                              "Measured time of the same steps (drafting excluded)", value=c.cost_actual_seconds)
+    yield GaugeMetricFamily("specserve_spec_cost_model_relative_error",
+                            "Mean |predicted - measured| / measured step time since start",
+                            value=c.cost_relative_error)
+    by_drafter = CounterMetricFamily("specserve_spec_drafted_requests",
+                                     "Request-steps verified with each drafter's tree", labels=["drafter"])
+    for name, n in c.drafted_with:
+        by_drafter.add_metric([name], n)
+    yield by_drafter
 
 
 class ServerMetrics:

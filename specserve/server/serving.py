@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.engine.engine import LLMEngine
-from specserve.engine.sequence import DraftCounters, TokenLogprob
+from specserve.outputs import DraftCounters, TokenLogprob
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput
 from specserve.server.engine_loop import (

@@ -54,11 +54,13 @@ class _Stats:
 
 
 class AcceptanceModel:
-    """P(node accepted | parent accepted), per drafter and per request, by (depth, sibling rank).
+    """P(node accepted | parent accepted), per drafter and per request, by (depth, sibling rank),
+    or, for nodes the drafter scored, by its score (in tenths): the drafter's claim, calibrated.
 
     A request's rate is (its own accepted + m x prior) / (its own tried + m), where the prior is
-    the drafter's rate across requests (itself starting at `initial`), and both forget old steps
-    (`request_decay`, `drafter_decay` per observation): a moving estimate with a prior.
+    the drafter's rate across requests (itself starting at `initial`, or at the score), and both
+    forget old steps (`request_decay`, `drafter_decay` per observation): a moving estimate with a
+    prior.
     """
 
     def __init__(
@@ -74,16 +76,20 @@ class AcceptanceModel:
         self._drafters: dict[str, _Stats] = {}
         self._requests: dict[tuple[str, str], _Stats] = {}
 
-    def _key(self, depth: int, rank: int) -> tuple[int, int]:
+    SCORE_BINS = 10
+
+    def _key(self, depth: int, rank: int, score: float | None = None) -> tuple[int, int]:
+        if score is not None:
+            return -1, min(int(score * self.SCORE_BINS), self.SCORE_BINS - 1)
         return min(depth, self.max_depth), min(rank, self.max_rank)
 
-    def rate(self, drafter: str, request_id: str, depth: int, rank: int = 0) -> float:
-        key = self._key(depth, rank)
+    def rate(self, drafter: str, request_id: str, depth: int, rank: int = 0, score: float | None = None) -> float:
+        key = self._key(depth, rank, score)
         g = self._drafters.get(drafter)
-        prior = self.initial
+        prior = self.initial if score is None else score
         if g is not None and key in g.by_key:
             c = g.by_key[key]
-            prior = (c.accepted + self.initial) / (c.tried + 1.0)
+            prior = (c.accepted + 2.0 * prior) / (c.tried + 2.0)
         r = self._requests.get((drafter, request_id))
         if r is None or key not in r.by_key:
             return prior
@@ -113,11 +119,12 @@ class AcceptanceModel:
         values: list[float] = []
         left: dict[int, float] = {}  # parent -> chance that no child tried so far was accepted
         ranks: dict[int, int] = {}
+        scores = tree.scores
         for i, (p, d) in enumerate(zip(tree.parents, tree.depths())):
             rank = ranks.get(p, 0)
             ranks[p] = rank + 1
             reach = (1.0 if p < 0 else values[p]) * left.get(p, 1.0)
-            a = self.rate(drafter, request_id, d, rank)
+            a = self.rate(drafter, request_id, d, rank, None if scores is None else scores[i])
             values.append(reach * a)
             left[p] = left.get(p, 1.0) * (1.0 - a)
         return values
@@ -136,9 +143,12 @@ class AcceptanceModel:
             if p not in reached or p in done:
                 continue
             ok = i in reached
-            key = self._key(depths[i], rank)
-            g.get(key).add(ok, self.drafter_decay)
-            r.get(key).add(ok, self.request_decay)
+            keys = [self._key(depths[i], rank)]
+            if tree.scores is not None:
+                keys.append(self._key(depths[i], rank, tree.scores[i]))
+            for key in keys:
+                g.get(key).add(ok, self.drafter_decay)
+                r.get(key).add(ok, self.request_decay)
             if ok:
                 done.add(p)
 

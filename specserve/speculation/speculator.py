@@ -173,11 +173,18 @@ class Speculator:
             else:
                 candidates.append(Candidate(values, fixed_cost=cost))
         grants = list(self.controller.select(base, rows, candidates).counts)
-        for i, d in enumerate(decodes):
-            rid = d.request.view.request_id
-            if grants[i] == 0 and self._since_draft.get(rid, 0) + 1 >= self.explore_every:
-                grants[i] = 1
+        for i, (d, name) in enumerate(zip(decodes, names)):
+            if grants[i] == 0 and self._exploring(d.request.view.request_id, name):
+                # A lookup is cheap: ask it for everything and let the second selection judge the
+                # tree. A model drafter explores with one node.
+                grants[i] = 1 if self.drafters[name].runs_a_model else d.request.budget
         return grants
+
+    def _exploring(self, request_id: str, name: str) -> bool:
+        """Whether this step drafts for the request although the estimates say it does not pay:
+        a request given nothing is never measured again, so now and then it is."""
+        every = self.explore_every if self.drafters[name].runs_a_model else max(1, self.explore_every // 4)
+        return (self._since_draft.get(request_id, 0) + 1) % every == 0
 
     def _run_drafters(self, decodes: list[Decode], names: list[str], grants: list[int]) -> dict[int, DraftTree]:
         """Each drafter proposes for the requests it was chosen for and granted nodes; by position."""
@@ -230,7 +237,7 @@ class Speculator:
         step = self._step
         for i, k in zip(keys, sel.counts):
             rid = decodes[i].request.view.request_id
-            if k == 0 and grants[i] == 1 and self._since_draft.get(rid, 0) + 1 >= self.explore_every:
+            if k == 0 and self.drafters[names[i]].runs_a_model and self._exploring(rid, names[i]):
                 k = 1  # the exploring node stays
             if k == 0:
                 continue

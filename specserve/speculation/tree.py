@@ -15,7 +15,7 @@ each node as a point-mass proposal, which is still lossless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class DraftTree:
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     probs: torch.Tensor | None = None
+    # The drafter's own estimate, per node, of the chance the node is right given its parent is
+    # (suffix counts, ...), or None; the controller calibrates it against what verification shows.
+    scores: tuple[float, ...] | None = field(default=None, compare=False)  # advisory: not part of equality
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -32,6 +35,8 @@ class DraftTree:
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
                 raise ValueError(f"draft tree: node {i} has parent {p}; parents must precede children")
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            raise ValueError(f"draft tree: {len(self.scores)} scores for {len(self.tokens)} nodes")
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(f"draft tree: probs has {self.probs.shape[0]} rows for {len(self.tokens)} nodes")
 
@@ -72,7 +77,8 @@ class DraftTree:
         if len(self) <= max_nodes:
             return self
         probs = None if self.probs is None else self.probs[:max_nodes]
-        return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes], probs)
+        scores = None if self.scores is None else self.scores[:max_nodes]
+        return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes], probs, scores)
 
     def keep(self, nodes: list[int]) -> "DraftTree":
         """The subtree of `nodes` (each node's parent among them), in the original order."""
@@ -87,7 +93,8 @@ class DraftTree:
                 raise ValueError(f"draft tree: node {old} kept without its parent {p}")
             parents.append(-1 if p < 0 else new_index[p])
         probs = None if self.probs is None else self.probs[chosen]
-        return DraftTree(tuple(self.tokens[i] for i in chosen), tuple(parents), probs)
+        scores = None if self.scores is None else tuple(self.scores[i] for i in chosen)
+        return DraftTree(tuple(self.tokens[i] for i in chosen), tuple(parents), probs, scores)
 
 
 EMPTY_TREE = DraftTree()

@@ -241,6 +241,7 @@ class _Candidate:
     tokens: list[int]
     parents: list[int]
     score: float
+    conditional: list[float] = field(default_factory=list)  # per node: count / count of its siblings' parent
 
 
 class SuffixDrafter(Drafter):
@@ -312,7 +313,7 @@ class SuffixDrafter(Drafter):
         best = own if other is None or (own is not None and own.score >= other.score) else other
         if best is None:
             return EMPTY_TREE
-        return DraftTree(tuple(best.tokens), tuple(best.parents))
+        return DraftTree(tuple(best.tokens), tuple(best.parents), scores=tuple(best.conditional))
 
     def _request_index(self, request_id: str, tokens: tuple[int, ...]) -> _RequestIndex:
         with self._lock:
@@ -351,7 +352,7 @@ class SuffixDrafter(Drafter):
 
     def _grow(self, trie: SuffixTrie, match: Cursor, depth: int, max_nodes: int) -> _Candidate:
         out = _Candidate([], [], 0.0)
-        heap: list[tuple[float, int, int, int, Cursor, int]] = []
+        heap: list[tuple[float, int, int, int, Cursor, int, float]] = []
         order = 0
 
         def push(cur: Cursor, depth: int, parent: int, prob: float) -> None:
@@ -361,14 +362,15 @@ class SuffixDrafter(Drafter):
             for tok, count, child in sorted(kids, key=lambda kid: -kid[1]):
                 p = prob * count / total
                 if p >= self.config.min_prob:
-                    heapq.heappush(heap, (-p, order, tok, parent, child, depth + 1))
+                    heapq.heappush(heap, (-p, order, tok, parent, child, depth + 1, count / total))
                     order += 1
 
         push(match, depth, -1, 1.0)
         while heap and len(out.tokens) < max_nodes:
-            neg_p, _, tok, parent, child, child_depth = heapq.heappop(heap)
+            neg_p, _, tok, parent, child, child_depth, conditional = heapq.heappop(heap)
             out.tokens.append(tok)
             out.parents.append(parent)
+            out.conditional.append(conditional)
             out.score -= neg_p
             push(child, child_depth, len(out.tokens) - 1, -neg_p)
         return out

@@ -1,0 +1,195 @@
+"""The speculation controller: it keeps exactly the draft nodes that raise expected tokens per
+second, its cost model learns a step's time from the steps, its acceptance estimates move from
+the drafter's prior to the request's own record; and the defects it came with stay fixed:
+seeded requests give the same tokens whatever drafts they get and whatever shares their batch,
+drafters that learn from the target learn from plain steps too, and top-p cuts only rows that
+ask for it."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.speculation.controller import (
+    AcceptanceModel, Candidate, ForwardProfile, GoodputController, Selection, StepCostModel, StepShape,
+)
+from specserve.speculation.sampler import apply_filters
+from specserve.speculation.tree import DraftTree
+
+from conftest import random_prompts, shuffle_grants
+
+CPU_LIKE = {n: 0.015 * (1 + 0.17 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64)}  # linear: 17% a token
+GPU_LIKE = {1: 0.010, 16: 0.010, 64: 0.0101, 256: 0.02}  # flat to 64 tokens
+
+
+def goodput(ctl: GoodputController, base: StepShape, rows: int, cands: list[Candidate], counts) -> float:
+    sel = ctl._evaluate(base, rows, cands, list(counts))
+    return sel.expected_tokens / sel.seconds
+
+
+def test_select_keeps_the_best_nodes_of_every_choice() -> None:
+    """Against every possible selection (a prefix of each request's nodes), on a linear step cost
+    with a per-tree cost: the controller's choice has the highest expected tokens per second."""
+    rng = random.Random(0)
+    cost = StepCostModel(ForwardProfile(CPU_LIKE))
+    cost.w[2] = 0.002  # 2 ms per request carrying a tree
+    ctl = GoodputController(cost)
+    for trial in range(60):
+        base = StepShape(tokens=rng.randint(1, 6))
+        cands = []
+        for _ in range(3):
+            p, vals = 1.0, []
+            for _ in range(rng.randint(0, 4)):
+                p *= rng.uniform(0.05, 0.99)
+                vals.append(p)
+            cands.append(Candidate(tuple(vals), fixed_cost=rng.choice([0.0, 0.0005, 0.003])))
+        sel = ctl.select(base, base.tokens, cands)
+        best = max(goodput(ctl, base, base.tokens, cands, c)
+                   for c in itertools.product(*[range(len(c.values) + 1) for c in cands]))
+        assert goodput(ctl, base, base.tokens, cands, sel.counts) == pytest.approx(best, rel=1e-9), trial
+
+
+def test_nothing_is_drafted_where_it_cannot_pay_and_everything_likely_where_it_is_free() -> None:
+    unlikely = [Candidate((0.05, 0.01))] * 4
+    likely = [Candidate((0.9, 0.8, 0.7, 0.6, 0.3, 0.1))] * 4
+    cpu = GoodputController(StepCostModel(ForwardProfile(CPU_LIKE)))
+    gpu = GoodputController(StepCostModel(ForwardProfile(GPU_LIKE)))
+    assert cpu.select(StepShape(4), 4, unlikely).counts == (0, 0, 0, 0)
+    cpu_likely = cpu.select(StepShape(4), 4, likely).counts
+    assert 0 < cpu_likely[0] < 6  # the tail of the chain does not pay for its 17% a token
+    assert gpu.select(StepShape(4), 4, likely).counts == (6, 6, 6, 6)  # verification is free
+    assert gpu.select(StepShape(4), 4, unlikely).counts == (2, 2, 2, 2)
+
+
+def test_the_cost_model_learns_step_time_from_the_steps() -> None:
+    """Steps that cost 1.3x the probe plus 3 ms per tree and 1 ms of fixed overhead: after a few
+    hundred steps the model predicts new shapes within a few percent and knows the tree cost."""
+    profile = ForwardProfile(CPU_LIKE)
+    cost = StepCostModel(profile)
+    rng = random.Random(1)
+
+    def truth(s: StepShape) -> float:
+        return 0.001 + 1.3 * profile(s.tokens) + 0.003 * s.drafted
+
+    for _ in range(400):
+        drafted = rng.randint(0, 4)
+        shape = StepShape(rng.randint(1, 4) + drafted * rng.randint(0, 4), drafted)
+        cost.observe(shape, truth(shape) * rng.uniform(0.98, 1.02))
+    assert cost.per_tree() == pytest.approx(0.003, rel=0.25)
+    for shape in (StepShape(1), StepShape(9, 2), StepShape(20, 4)):
+        assert cost.predict(shape) == pytest.approx(truth(shape), rel=0.05)
+
+
+def test_acceptance_moves_from_the_drafters_prior_to_the_requests_record() -> None:
+    a = AcceptanceModel()
+    chain = DraftTree.chain([1, 2, 3])
+    for _ in range(30):
+        a.observe("suffix", "easy", chain, [0, 1, 2])  # everything accepted
+    assert a.rate("suffix", "easy", 1) > 0.9
+    fresh = a.rate("suffix", "new", 1)
+    assert fresh > 0.8  # a new request starts from the drafter's record
+    for _ in range(10):
+        a.observe("suffix", "new", chain, [])  # this one rejects everything
+    assert a.rate("suffix", "new", 1) < 0.35 and a.rate("suffix", "easy", 1) > 0.8
+    assert a.rate("recycling", "new", 1) == pytest.approx(a.initial)  # drafters are apart
+    # a scored node's prior is its score; the record calibrates it
+    assert a.rate("ngram", "x", 1, score=0.95) == pytest.approx(0.95)
+    scored = DraftTree((5,), (-1,), scores=(0.95,))
+    for _ in range(40):
+        a.observe("ngram", "x", scored, [])
+    assert a.rate("ngram", "y", 1, score=0.95) < 0.2
+    values = a.node_values("suffix", "easy", DraftTree((1, 9, 2), (-1, -1, 0)))
+    assert values[0] > values[2] and values[1] < values[0]  # a second sibling is tried only if the first fails
+
+
+def test_tree_keep_reindexes_a_parent_closed_subset() -> None:
+    tree = DraftTree((10, 11, 12, 13), (-1, 0, -1, 1), scores=(0.9, 0.8, 0.1, 0.7))
+    kept = tree.keep([0, 1, 3])
+    assert kept.tokens == (10, 11, 13) and kept.parents == (-1, 0, 1) and kept.scores == (0.9, 0.8, 0.7)
+    with pytest.raises(ValueError, match="without its parent"):
+        tree.keep([0, 3])
+
+
+# ---------------------------------------------------------------------------
+# The engine under the controller
+
+
+def test_seeded_requests_give_the_same_tokens_with_any_drafts_in_any_batch(tiny_llama: Path) -> None:
+    """Three identical seeded requests (temperature 1) with a draft model whose grants change every
+    step, next to other traffic, under a small token budget: each gives exactly what the request
+    gives alone without speculation."""
+    prompt = random_prompts(1, seed=31)[0]
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = LLM(str(tiny_llama)).generate(prompt, seeded, use_tqdm=False)[0].token_ids
+    spec = dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama))
+    llm = shuffle_grants(LLM(str(tiny_llama), speculative=spec, max_num_batched_tokens=12), seed=5)
+    others = random_prompts(3, seed=32)
+    outs = llm.generate([prompt] * 3 + others,
+                        [seeded] * 3 + [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 3,
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs[:3]] == [alone] * 3
+    assert llm.engine.draft_totals.accepted > 0  # drafts were accepted along the way
+
+
+def test_recycling_learns_from_plain_steps(tiny_llama: Path) -> None:
+    """A controller that grants nothing: the recycling drafter still fills its table from the
+    target's top tokens at every plain step."""
+
+    class Nothing:
+        def select(self, base, rows, candidates):
+            return Selection(tuple(0 for _ in candidates), float(rows), 1.0, 0.0)
+
+    llm = LLM(str(tiny_llama), speculative=dict(method="recycling", num_tokens=4))
+    speculator = llm.engine.speculator
+    speculator.controller = Nothing()
+    speculator.explore_every = 10**9
+    out = llm.generate(random_prompts(1, seed=33)[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert llm.engine.draft_totals.steps == 0
+    table = speculator.drafters["recycling"].succ
+    learned = [t for t in out.token_ids[:-1] if int(table[t][0]) >= 0]
+    assert learned == out.token_ids[:-1]  # every token the request emitted has a row
+
+
+def test_auto_picks_per_request_and_stays_lossless(tiny_llama: Path) -> None:
+    """`auto` keeps its three drafters apart and chooses per request; greedy outputs are the plain
+    ones whatever it grants."""
+    prompts = random_prompts(4, seed=34) + [list(b"abcabcabcabcabcabcabc")]
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)]
+    llm = shuffle_grants(LLM(str(tiny_llama), speculative="auto"), seed=2)
+    assert set(llm.engine.speculator.drafters) == {"suffix", "ngram", "recycling"}
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    stats = llm.engine.speculation_stats()
+    assert sum(n for _, n in stats.drafted_with) == llm.engine.draft_totals.steps > 0
+    assert sum(n for _, n in stats.grants) > 0
+
+
+def test_the_goodput_controller_runs_the_engine_and_keeps_records(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), speculative=dict(method="ngram", num_tokens=4))
+    prompt = list(b"abcabcabcabcabcabcabcabcabc")
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    out = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert out.token_ids == LLM(str(tiny_llama)).generate(prompt, greedy, use_tqdm=False)[0].token_ids
+    stats = llm.engine.speculation_stats()
+    assert stats.cost_steps > 0 and stats.cost_actual_seconds > 0
+    assert 0 <= stats.cost_relative_error < 1.0
+
+
+def test_top_p_cuts_only_the_rows_that_ask() -> None:
+    """A top_p = 1 row batched with a top_p < 1 row keeps every token, exactly as alone. (With
+    these logits float32's cumulative sum reaches 1 thousands of tokens before the end: a cut
+    at cumulative >= 1 would drop them.)"""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 49152) * 3.0
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)]
+    out = apply_filters(logits.clone(), params)
+    assert torch.isfinite(out[0]).all()
+    assert torch.equal(out[0], logits[0])
+    assert not torch.isfinite(out[1]).all()
