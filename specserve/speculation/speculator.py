@@ -89,6 +89,7 @@ class _Step:
     predicted_seconds: float | None = None
     propose_seconds: float = 0.0
     verdicts: dict[int, Verdict] = field(default_factory=dict)
+    views: dict[int, RequestView] = field(default_factory=dict)  # the decodes' views, from propose
     plain_ids: dict[int, str] = field(default_factory=dict)  # items that decoded without a draft
     plain_views: dict[int, RequestView] = field(default_factory=dict)
     top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -136,7 +137,7 @@ class Speculator:
     def propose(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> dict[int, DraftTree]:
         """Draft trees for the decodes worth drafting for, keyed by batch index. `base` is the
         step's shape without drafts; `sampling_rows` the items that emit a token."""
-        self._step = _Step(shape=base)
+        self._step = _Step(shape=base, views={d.index: d.request.view for d in decodes})
         decodes = [d for d in decodes if d.request.budget > 0]
         if not self.enabled or not decodes:
             self._step.grants = [0] * len(decodes)
@@ -305,9 +306,12 @@ class Speculator:
             self._step.top_ids[it.index] = top[start : start + count]
             if it.index not in drafts:
                 row = it.row
-                self._step.plain_views[it.index] = RequestView(
-                    row.request_id, tuple(row.prompt_token_ids), tuple(row.output_token_ids), row.params
-                )
+                view = self._step.views.get(it.index)
+                if view is None:  # not a decode offered to drafters (a prefill's first token)
+                    view = RequestView(
+                        row.request_id, tuple(row.prompt_token_ids), tuple(row.output_token_ids), row.params
+                    )
+                self._step.plain_views[it.index] = view
 
     # -- observe -------------------------------------------------------------------------------
     def observe(self, seconds: float) -> None:
