@@ -180,6 +180,8 @@ def test_the_goodput_controller_runs_the_engine_and_keeps_records(tiny_llama: Pa
     stats = llm.engine.speculation_stats()
     assert stats.cost_steps > 0 and stats.cost_actual_seconds > 0
     assert 0 <= stats.cost_relative_error < 1.0
+    speculator = llm.engine.speculator  # a finished request leaves no state behind
+    assert not speculator.acceptance._requests and not speculator._since_draft
 
 
 def test_top_p_cuts_only_the_rows_that_ask() -> None:

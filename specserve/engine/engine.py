@@ -171,20 +171,27 @@ class LLMEngine:
         """One engine step: schedule, propose, verify (one forward), accept, commit, emit.
 
         A request whose numbers go wrong (a distribution that is not one) or whose own bookkeeping
-        fails ends alone with finish_reason "error"; the rest of the batch goes on. Only a failure
-        of the shared forward pass raises (and then no request has committed anything).
+        fails ends alone with finish_reason "error"; the rest of the batch goes on. Speculation's
+        failures cost drafts, never requests. Only a failure of the shared forward pass raises
+        (and then no request has committed anything).
         """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
-        decodes = self._decodes(batch.scheduled)
-        drafts = self.speculator.propose(decodes, _shape(batch.scheduled), sum(it.samples for it in batch.scheduled))
-        out = self.runner.execute(batch.scheduled, drafts)  # out.hidden: for learned drafters
-        items = [SampleItem(i, batch.scheduled[i].seq, r) for i, r in enumerate(out.rows) if r is not None]
+        try:
+            return self._step(batch.scheduled)
+        finally:  # also when the forward raised: the speculator closes the step either way
+            self.speculator.observe(time.perf_counter() - start)
+
+    def _step(self, batch: tuple[ScheduledSeq, ...]) -> list[RequestOutput]:
+        decodes = self._decodes(batch)
+        drafts = self.speculator.propose(decodes, _shape(batch), sum(it.samples for it in batch))
+        out = self.runner.execute(batch, drafts)  # out.hidden: for learned drafters
+        items = [SampleItem(i, batch[i].seq, r) for i, r in enumerate(out.rows) if r is not None]
         verdicts = self.speculator.verify(items, drafts, out.logits)
         outputs = []
-        for i, item in enumerate(batch.scheduled):
+        for i, item in enumerate(batch):
             req = self._requests[item.seq.request_id]
             verdict = verdicts.get(i)
             if verdict is not None and verdict.error is not None:
@@ -199,7 +206,6 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 logger.exception("request %s failed in its commit or emit", item.seq.request_id)
                 outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
-        self.speculator.observe(time.perf_counter() - start)
         return outputs
 
     def _draft_cap(self, seq: Sequence) -> int:

@@ -83,7 +83,7 @@ def _control_metrics(c: SpeculationStats) -> Iterator[Metric]:
     yield CounterMetricFamily("specserve_spec_cost_measured_seconds",
                               "Measured time of the same steps (drafting excluded)", value=c.cost_actual_seconds)
     yield GaugeMetricFamily("specserve_spec_cost_model_relative_error",
-                            "Mean |predicted - measured| / measured step time since start",
+                            "Sum of |predicted - measured| / sum of measured step time, since start",
                             value=c.cost_relative_error)
     by_drafter = CounterMetricFamily("specserve_spec_drafted_requests",
                                      "Request-steps verified with each drafter's tree", labels=["drafter"])

@@ -46,8 +46,9 @@ class Drafter(ABC):
       nodes (budget 0 -> the empty tree). It must not change the requests.
     - Trees may be wrong: verification keeps only what the target agrees with.
     - `observe` is called after every step of a decoding request with what the target
-      computed (for drafters that learn from it): after verifying the drafter's tree, and
-      with the empty tree after a plain step or a step verifying another drafter's tree;
+      computed: after verifying the drafter's tree; drafters with `target_topk > 0` (that
+      learn from the target) also with the empty tree after a plain step or a step verifying
+      another drafter's tree;
       `finish` when a request leaves the engine, finished or aborted, so per-request state
       can be dropped.
     """

@@ -11,7 +11,7 @@ and finish(request_id, view) when a request leaves.
 (and, with several drafters, for the drafter that pays best for it), how many nodes are worth
 drafting at all, since drafting costs time of its own; after drafting, from the trees actually
 proposed, which nodes are worth verifying. Drafting is optional: a drafter that fails costs its
-drafts, never a request, and one that fails every time is switched off.
+drafts, never a request; after MAX_FAILURES drafter failures in a row speculation is switched off.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class _Step:
     plain_ids: dict[int, str] = field(default_factory=dict)  # items that decoded without a draft
     plain_views: dict[int, RequestView] = field(default_factory=dict)
     top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
 
 class Speculator:
@@ -119,6 +120,8 @@ class Speculator:
         self._propose_cost: dict[str, float] = {}  # seconds per request (lookups) or per depth (models)
         self._since_draft: dict[str, int] = {}  # request -> steps since its last verified draft
         self._step = _Step()
+        self._open = False  # between propose and observe
+        self._active: dict[str, Drafter] = {}
         self._failures = 0
         self._stats = SpeculationStats()
         self._grants: Counter[int] = Counter()
@@ -138,26 +141,33 @@ class Speculator:
         """Draft trees for the decodes worth drafting for, keyed by batch index. `base` is the
         step's shape without drafts; `sampling_rows` the items that emit a token."""
         self._step = _Step(shape=base, views={d.index: d.request.view for d in decodes})
+        self._open = True
         decodes = [d for d in decodes if d.request.budget > 0]
         if not self.enabled or not decodes:
             self._step.grants = [0] * len(decodes)
             return {}
-        names = [self._choose(d.request) for d in decodes]
-        grants = self._grant(decodes, names, base, sampling_rows)
-        proposed = self._run_drafters(decodes, names, grants)
-        return self._select(decodes, names, proposed, grants, base, sampling_rows)
+        self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
+        try:
+            names = [self._choose(d.request) for d in decodes]
+            grants = self._grant(decodes, names, base, sampling_rows)
+            proposed = self._run_drafters(decodes, names, grants)
+            return self._select(decodes, names, proposed, grants, base, sampling_rows)
+        except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
+            logger.exception("speculation failed while proposing; the step decodes plainly")
+            self._step = _Step(shape=base, views=self._step.views)
+            return {}
 
     def _choose(self, request: DraftRequest) -> str:
         """The drafter expected to give this request the most accepted tokens."""
-        if len(self.drafters) == 1:
-            return next(iter(self.drafters))
+        if len(self._active) == 1:
+            return next(iter(self._active))
         rid = request.view.request_id
 
         def worth(name: str) -> float:
             a = self.acceptance
             return a.proposes(name, rid) * sum(a.chain_values(name, rid, request.budget))
 
-        return max(self.drafters, key=worth)
+        return max(self._active, key=worth)
 
     def _grant(self, decodes: list[Decode], names: list[str], base: StepShape, rows: int) -> list[int]:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
@@ -169,7 +179,7 @@ class Speculator:
             chance = a.proposes(name, rid)
             values = tuple(chance * v for v in a.chain_values(name, rid, d.request.budget))
             cost = self._propose_cost.get(name, 0.0)
-            if self.drafters[name].runs_a_model:
+            if self._active[name].runs_a_model:
                 candidates.append(Candidate(values, node_cost=cost))
             else:
                 candidates.append(Candidate(values, fixed_cost=cost))
@@ -178,19 +188,19 @@ class Speculator:
             if grants[i] == 0 and self._exploring(d.request.view.request_id, name):
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
-                grants[i] = 1 if self.drafters[name].runs_a_model else d.request.budget
+                grants[i] = 1 if self._active[name].runs_a_model else d.request.budget
         return grants
 
     def _exploring(self, request_id: str, name: str) -> bool:
         """Whether this step drafts for the request although the estimates say it does not pay:
         a request given nothing is never measured again, so now and then it is."""
-        every = self.explore_every if self.drafters[name].runs_a_model else max(1, self.explore_every // 4)
+        every = self.explore_every if self._active[name].runs_a_model else max(1, self.explore_every // 4)
         return (self._since_draft.get(request_id, 0) + 1) % every == 0
 
     def _run_drafters(self, decodes: list[Decode], names: list[str], grants: list[int]) -> dict[int, DraftTree]:
         """Each drafter proposes for the requests it was chosen for and granted nodes; by position."""
         out: dict[int, DraftTree] = {}
-        for name, drafter in list(self.drafters.items()):
+        for name, drafter in self._active.items():
             group = [i for i, n in enumerate(names) if n == name and grants[i] > 0]
             if not group:
                 continue
@@ -200,6 +210,8 @@ class Speculator:
                 trees = drafter.propose(requests)
             except Exception:  # noqa: BLE001 - drafts are optional: these requests decode plainly
                 self._failed("propose")
+                for i in group:  # so that `auto` stops choosing a drafter that cannot propose
+                    self._step.asked.append((name, decodes[i].request.view.request_id, False))
                 continue
             seconds = time.perf_counter() - start
             self._step.propose_seconds += seconds
@@ -238,8 +250,8 @@ class Speculator:
         step = self._step
         for i, k in zip(keys, sel.counts):
             rid = decodes[i].request.view.request_id
-            if k == 0 and self.drafters[names[i]].runs_a_model and self._exploring(rid, names[i]):
-                k = 1  # the exploring node stays
+            if k == 0 and (self._since_draft.get(rid, 0) + 1) % self.explore_every == 0:
+                k = 1  # now and then one node is verified whatever the estimate, so it can recover
             if k == 0:
                 continue
             kept = order[i][:k]
@@ -315,11 +327,20 @@ class Speculator:
 
     # -- observe -------------------------------------------------------------------------------
     def observe(self, seconds: float) -> None:
-        """The step is done and took `seconds`: every model learns what it showed."""
+        """The step is done and took `seconds`: every model learns what it showed; then the
+        requests that finished during the step are forgotten (after, so nothing recreates them)."""
         step = self._step
         self._step = _Step()
-        if not self.enabled:
-            return
+        self._open = False
+        try:
+            if self.enabled:
+                self._learn(step, seconds)
+        except Exception:  # noqa: BLE001 - the step's tokens are out already; learning is optional
+            logger.exception("speculation failed while learning from a step")
+        for request_id, view in step.finished:
+            self._finish_now(request_id, view)
+
+    def _learn(self, step: _Step, seconds: float) -> None:
         a = self.acceptance
         for name, rid, proposed in step.asked:
             a.observe_proposal(name, rid, proposed)
@@ -377,7 +398,14 @@ class Speculator:
                 self._failed("observe")
 
     def finish(self, request_id: str, view: RequestView) -> None:
-        """The request left the engine (finished, aborted or failed)."""
+        """The request left the engine (finished, aborted or failed). During a step (between
+        propose and observe) its state is dropped when the step is observed."""
+        if self._open:
+            self._step.finished.append((request_id, view))
+            return
+        self._finish_now(request_id, view)
+
+    def _finish_now(self, request_id: str, view: RequestView) -> None:
         self.acceptance.forget(request_id)
         self._since_draft.pop(request_id, None)
         for drafter in list(self.drafters.values()):
