@@ -16,6 +16,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for a hub
 
+from specserve.speculation.controller import FixedController, Selection  # noqa: E402 - after the env var
+
 BYTE_VOCAB = 258  # <s>, </s>, then one token per byte
 EOS_ID = 1
 CHAT_TEMPLATE = (
@@ -105,7 +107,7 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 40, vocab: i
     return [torch.randint(2, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
-class ShuffledGrants:
+class ShuffledGrants(FixedController):
     """A speculation controller whose grants change every step: each request keeps a random
     number of its draft nodes (0 included), whatever they are worth. Outputs must not notice."""
 
@@ -115,8 +117,6 @@ class ShuffledGrants:
         self.rng = random.Random(seed)
 
     def select(self, base: Any, sampling_rows: int, candidates: list) -> Any:
-        from specserve.speculation.controller import Selection
-
         counts = tuple(self.rng.randint(0, len(c.values)) for c in candidates)
         return Selection(counts, float(sampling_rows), float("nan"), 0.0)
 

@@ -16,7 +16,8 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.speculation.controller import (
-    AcceptanceModel, Candidate, ForwardProfile, GoodputController, Selection, StepCostModel, StepShape,
+    AcceptanceModel, Candidate, FixedController, ForwardProfile, GoodputController, Selection, StepCostModel,
+    StepShape,
 )
 from specserve.speculation.sampler import apply_filters
 from specserve.speculation.tree import DraftTree
@@ -28,7 +29,7 @@ GPU_LIKE = {1: 0.010, 16: 0.010, 64: 0.0101, 256: 0.02}  # flat to 64 tokens
 
 
 def goodput(ctl: GoodputController, base: StepShape, rows: int, cands: list[Candidate], counts) -> float:
-    sel = ctl._evaluate(base, rows, cands, list(counts))
+    sel = ctl.evaluate(base, rows, cands, list(counts))
     return sel.expected_tokens / sel.seconds
 
 
@@ -140,7 +141,7 @@ def test_recycling_learns_from_plain_steps(tiny_llama: Path) -> None:
     """A controller that grants nothing: the recycling drafter still fills its table from the
     target's top tokens at every plain step."""
 
-    class Nothing:
+    class Nothing(FixedController):
         def select(self, base, rows, candidates):
             return Selection(tuple(0 for _ in candidates), float(rows), 1.0, 0.0)
 

@@ -22,7 +22,7 @@ from specserve.model.llama import LlamaForCausalLM
 from specserve.sampling_params import SamplingParams
 from specserve.speculation.config import SpeculativeConfig
 from specserve.speculation.controller import (
-    FixedController, ForwardProfile, GoodputController, StepCostModel,
+    Controller, FixedController, ForwardProfile, GoodputController, StepCostModel,
 )
 from specserve.speculation.factory import ModelHandle, build_drafters
 from specserve.speculation.sampler import Sampler
@@ -90,7 +90,7 @@ def build_speculator(
     draft = _draft_model(spec, config, draft_builder) if "draft-model" in spec.drafters else None
     drafters = build_drafters(spec, target, config.seed, draft, tokenizer)
     if spec.controller == "fixed":
-        controller: GoodputController | FixedController = FixedController()
+        controller: Controller = FixedController()
     else:
         num_blocks = runner.kv_cache[0][0].shape[0]
         seconds = probe_forward(runner, num_blocks, min(config.scheduler.max_num_batched_tokens, config.max_model_len))

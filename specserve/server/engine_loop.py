@@ -88,7 +88,7 @@ class EngineSnapshot:
     """The engine's state after the background thread's latest pass."""
 
     stats: EngineStats
-    spec: DraftCounters
+    drafts: DraftCounters
     queued: int  # requests submitted but not yet added to the engine
     control: SpeculationStats = SpeculationStats()  # the speculation controller's record
 

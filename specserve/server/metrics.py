@@ -34,7 +34,7 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        stats, spec = snap.stats, snap.spec
+        stats, spec = snap.stats, snap.drafts
         yield GaugeMetricFamily("specserve_num_requests_running", "Requests running in the engine",
                                 value=stats.num_running)
         yield GaugeMetricFamily("specserve_num_requests_waiting",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -251,6 +252,14 @@ class Candidate:
     node_cost: float = 0.0  # seconds each node adds beyond its forward token (a draft model's forward)
 
 
+class Controller(Protocol):
+    """Chooses draft nodes across a step's batch, and learns from the step's measured time."""
+
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> "Selection": ...
+    def predict(self, shape: StepShape) -> float | None: ...
+    def learn(self, shape: StepShape, seconds: float) -> None: ...
+
+
 @dataclass(frozen=True)
 class Selection:
     counts: tuple[int, ...]  # nodes kept per candidate (a prefix of its values)
@@ -268,7 +277,7 @@ class GoodputController:
 
     def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> Selection:
         """base: the step without drafts; sampling_rows: requests that emit a token this step."""
-        best = self._evaluate(base, sampling_rows, candidates, [0] * len(candidates))
+        best = self.evaluate(base, sampling_rows, candidates, [0] * len(candidates))
         per_tree = self.cost.per_tree()
         base_seconds = self.cost.predict(base)
         for _ in range(self.max_iterations):
@@ -289,13 +298,22 @@ class GoodputController:
                 counts.append(k if gain > g * (per_tree + c.fixed_cost) else 0)
             if tuple(counts) == best.counts:
                 break
-            trial = self._evaluate(base, sampling_rows, candidates, counts)
+            trial = self.evaluate(base, sampling_rows, candidates, counts)
             if trial.expected_tokens / trial.seconds <= g:
                 break
             best = trial
         return best
 
-    def _evaluate(self, base: StepShape, rows: int, candidates: list[Candidate], counts: list[int]) -> Selection:
+    def predict(self, shape: StepShape) -> float:
+        """The step's seconds (drafting excluded), as the cost model expects them."""
+        return self.cost.predict(shape)
+
+    def learn(self, shape: StepShape, seconds: float) -> None:
+        """A step of `shape` took `seconds` (drafting excluded)."""
+        self.cost.observe(shape, seconds)
+
+    def evaluate(self, base: StepShape, rows: int, candidates: list[Candidate], counts: list[int]) -> Selection:
+        """Expected tokens and predicted seconds of the step with `counts` nodes kept per candidate."""
         accepted = sum(sum(c.values[:k]) for c, k in zip(candidates, counts))
         drafted = sum(1 for k in counts if k)
         shape = StepShape(base.tokens + sum(counts), base.drafted + drafted, base.attended)
@@ -312,3 +330,9 @@ class FixedController:
         counts = tuple(len(c.values) for c in candidates)
         accepted = sum(sum(c.values) for c in candidates)
         return Selection(counts, sampling_rows + accepted, math.nan, accepted)
+
+    def predict(self, shape: StepShape) -> float | None:
+        return None  # no cost model
+
+    def learn(self, shape: StepShape, seconds: float) -> None:
+        pass

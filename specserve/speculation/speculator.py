@@ -19,13 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from specserve.speculation.controller import (
-    AcceptanceModel, Candidate, FixedController, GoodputController, StepShape,
-)
+from specserve.speculation.controller import AcceptanceModel, Candidate, Controller, StepShape
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
 from specserve.speculation.sampler import Sampler, SamplingRow
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
@@ -73,6 +71,19 @@ class SpeculationStats:
 
 
 @dataclass
+class _Totals:
+    """The running sums behind SpeculationStats."""
+
+    steps: int = 0
+    predicted_accepted: float = 0.0
+    accepted: int = 0
+    cost_predicted_seconds: float = 0.0
+    cost_actual_seconds: float = 0.0
+    cost_abs_error_seconds: float = 0.0
+    cost_steps: int = 0
+
+
+@dataclass
 class _Drafted:
     name: str
     view: RequestView
@@ -106,7 +117,7 @@ class Speculator:
         sampler: Sampler,
         verifier: Verifier,
         max_tokens: int,
-        controller: GoodputController | FixedController,
+        controller: Controller,
         acceptance: AcceptanceModel | None = None,
         explore_every: int = 16,
     ) -> None:
@@ -123,7 +134,7 @@ class Speculator:
         self._open = False  # between propose and observe
         self._active: dict[str, Drafter] = {}
         self._failures = 0
-        self._stats = SpeculationStats()
+        self._totals = _Totals()
         self._grants: Counter[int] = Counter()
         self._drafted_with: Counter[str] = Counter()
 
@@ -264,9 +275,7 @@ class Speculator:
             )
         step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
         step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended)
-        cost = getattr(self.controller, "cost", None)
-        if cost is not None:
-            step.predicted_seconds = cost.predict(step.shape)
+        step.predicted_seconds = self.controller.predict(step.shape)
         return drafts
 
     # -- verify --------------------------------------------------------------------------------
@@ -364,23 +373,17 @@ class Speculator:
         for index, rid in step.plain_ids.items():
             self._since_draft[rid] = self._since_draft.get(rid, 0) + 1
         self._grants.update(step.grants)
-        cost = getattr(self.controller, "cost", None)
-        s = self._stats
-        cost_fields = {}
-        if cost is not None and step.shape is not None and step.predicted_seconds is not None:
+        t = self._totals
+        t.steps += 1
+        t.predicted_accepted += predicted
+        t.accepted += accepted
+        if step.shape is not None and step.predicted_seconds is not None:
             forward_seconds = max(seconds - step.propose_seconds, 1e-6)
-            cost.observe(step.shape, forward_seconds)
-            cost_fields = dict(
-                cost_predicted_seconds=s.cost_predicted_seconds + step.predicted_seconds,
-                cost_actual_seconds=s.cost_actual_seconds + forward_seconds,
-                cost_abs_error_seconds=s.cost_abs_error_seconds + abs(step.predicted_seconds - forward_seconds),
-                cost_steps=s.cost_steps + 1,
-            )
-        self._stats = replace(
-            s, steps=s.steps + 1, predicted_accepted=s.predicted_accepted + predicted, accepted=s.accepted + accepted,
-            grants=tuple(sorted(self._grants.items())), drafted_with=tuple(sorted(self._drafted_with.items())),
-            **cost_fields,
-        )
+            self.controller.learn(step.shape, forward_seconds)
+            t.cost_predicted_seconds += step.predicted_seconds
+            t.cost_actual_seconds += forward_seconds
+            t.cost_abs_error_seconds += abs(step.predicted_seconds - forward_seconds)
+            t.cost_steps += 1
 
     def _tell_drafters(
         self, view: RequestView, verified_by: str | None, tree: DraftTree, top: torch.Tensor | None
@@ -415,7 +418,10 @@ class Speculator:
                 self._failed("finish")
 
     def stats(self) -> SpeculationStats:
-        return self._stats
+        return SpeculationStats(
+            **asdict(self._totals), grants=tuple(sorted(self._grants.items())),
+            drafted_with=tuple(sorted(self._drafted_with.items())),
+        )
 
     def _failed(self, stage: str) -> None:
         """The first failure is logged with its traceback, later ones counted; a drafter failing
