@@ -77,6 +77,55 @@ def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype) -> No
         assert err < 1e-5, (case, i, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+@pytest.mark.parametrize("cached", [1, 7, 40, 61, 200, 333, 517])
+def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(cached: int, dtype: torch.dtype) -> None:
+    """A query row attending to the same keys gets bit for bit the same output as a decode alone,
+    a decode among others, the last row of a prefill chunk, and a draft-tree node whose sibling
+    (masked) lies between its ancestors: verification's logits are plain decoding's, whatever the
+    batch, the tile, the block boundaries or the slots its ancestors sit in."""
+    g = torch.Generator().manual_seed(cached)
+    ctx = cached + 2  # the row sees `cached` keys, then its parent, then itself
+    keys, values = torch.randn(ctx, KVH, D, generator=g), torch.randn(ctx, KVH, D, generator=g)
+    q_row = torch.randn(1, H, D, generator=g)
+    backend = CpuPagedBackend(H, KVH, D)
+
+    def attend(items: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+        """items: (cached keys, new queries, new keys, new values, tree mask); each item's cached
+        keys are the first ones of `keys`, its blocks its own. Returns every output row."""
+        kc, vc = torch.zeros(NB, BS, KVH, D, dtype=dtype), torch.zeros(NB, BS, KVH, D, dtype=dtype)
+        q_start, q_len, ctx_len, tables, masks, slots, qs, ks, vs, t, next_block = [], [], [], [], [], [], [], [], [], 0, 0
+        for c, q, k, v, mask in items:
+            n = len(q)
+            table = list(range(next_block + 3, next_block + 3 + -(-(c + n) // BS)))[::-1]  # blocks out of order
+            next_block = max(table) + 1
+            for p in range(c):
+                kc[table[p // BS], p % BS], vc[table[p // BS], p % BS] = keys[p], values[p]
+            q_start.append(t), q_len.append(n), ctx_len.append(c + n), tables.append(tuple(table)), masks.append(mask)
+            slots.extend(table[p // BS] * BS + p % BS for p in range(c, c + n))
+            qs.append(q), ks.append(k), vs.append(v)
+            t += n
+        batch = AttentionBatch(torch.tensor(slots), tuple(q_start), tuple(q_len), tuple(ctx_len), tuple(tables),
+                               tuple(masks), t, BS)
+        return backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kc, vc, backend.plan(batch, q_row.device))
+
+    def other(n: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        return (2, torch.randn(n, H, D, generator=g), torch.randn(n, KVH, D, generator=g),
+                torch.randn(n, KVH, D, generator=g), None)
+
+    alone = attend([(ctx - 1, q_row, keys[-1:], values[-1:], None)])
+    among = attend([other(3), (ctx - 1, q_row, keys[-1:], values[-1:], None), other(1)])[3:4]
+    chunk_q = torch.cat([torch.randn(4, H, D, generator=g), q_row])
+    chunk = attend([(ctx - 5, chunk_q, keys[-5:], values[-5:], None)])[4:5] if ctx >= 5 else alone
+    sibling_k, sibling_v = torch.randn(1, KVH, D, generator=g), torch.randn(1, KVH, D, generator=g)
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root, sibling, the row
+    tree_q = torch.cat([torch.randn(2, H, D, generator=g), q_row])
+    tree = attend([other(2), (cached, tree_q, torch.cat([keys[cached:cached + 1], sibling_k, keys[-1:]]),
+                              torch.cat([values[cached:cached + 1], sibling_v, values[-1:]]), tree_mask)])[4:5]
+    for name, got in (("among others", among), ("chunk", chunk), ("tree", tree)):
+        assert torch.equal(got, alone), name
+
+
 def _fake_quant(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     _native().fake_quant_q8(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())

@@ -10,6 +10,12 @@
  * came in this step (a tree's accepted path, a chunk) or an earlier one. The query heads that share
  * a KV head are done together, so each key and value is read once per tile.
  *
+ * With AVX2 and a head dim that is a multiple of 8 (every Llama-family model), the three passes are
+ * vectorised: scores eight keys at a time (each key's dot product the same eight-lane sum and the same
+ * reduction tree wherever it falls), exp by a polynomial (the same function of each score), and the
+ * weighted values eight dims at a time with every key of the pass added in position order (a masked
+ * key adds an exact zero). Row results stay independent of the batch, the tile and the block layout.
+ *
  * Layouts (row-major, contiguous):
  *   q:                  [T, H, D] float32, rows ldq floats apart (q may be a view of fused q/k/v)
  *   out:                [T, H, D] float32
@@ -19,6 +25,10 @@
  * Built by specserve.model.native with -O3 -fopenmp and the ISA flags of the machine.
  */
 #include <float.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PA_AVX2 1
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,6 +50,197 @@ typedef struct {
     int32_t item, group, row0, rows;
 } task_t;
 
+#ifdef PA_AVX2
+/* nk keys (or values) of one KV head from one cache block as float32 rows of D, then zero rows up to
+ * a multiple of 8 (a padded key's score is computed and then masked). */
+typedef void (*pa_load_fn)(const void *cache, int64_t base, int nk, int KVH, int D, float *dst);
+
+static void pa_load_f32(const void *cache, int64_t base, int nk, int KVH, int D, float *dst) {
+    const float *c = (const float *)cache;
+    for (int tk = 0; tk < nk; tk++) memcpy(dst + (int64_t)tk * D, c + (base + (int64_t)tk * KVH) * D, sizeof(float) * D);
+    for (int tk = nk; tk % 8; tk++) memset(dst + (int64_t)tk * D, 0, sizeof(float) * D);
+}
+
+static void pa_load_bf16(const void *cache, int64_t base, int nk, int KVH, int D, float *dst) {
+    const uint16_t *c = (const uint16_t *)cache;
+    for (int tk = 0; tk < nk; tk++) {
+        const uint16_t *src = c + (base + (int64_t)tk * KVH) * D;
+        float *o = dst + (int64_t)tk * D;
+        for (int d = 0; d < D; d += 8) {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d)));
+            _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+    }
+    for (int tk = nk; tk % 8; tk++) memset(dst + (int64_t)tk * D, 0, sizeof(float) * D);
+}
+
+/* exp(x) for x <= 0 (softmax weights), a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n: within
+ * 2 ulp of expf; 0 below -87. The same function of x wherever x comes from. */
+static inline __m256 pa_exp(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* The dot products of one query vector with 8 keys (rows of kf, D floats apart): per key, eight lanes
+ * over D in order, then the same reduction tree. */
+static inline __m256 pa_dots8(const float *qv, const float *kf, int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(qv + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 0 * D + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 1 * D + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + 7 * D + d), a7);
+    }
+    const __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
+    const __m256 s45 = _mm256_hadd_ps(a4, a5), s67 = _mm256_hadd_ps(a6, a7);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* s0123 = [k0 k1 k2 k3 | k0 k1 k2 k3] (low and high halves of each key's lanes), s4567 likewise */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+static inline float pa_hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache, pa_load_fn load, float *out,
+                        const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
+                        const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,
+                        int D, int BS, float scale, int64_t ldq, const task_t *t) {
+    const int rep = H / KVH, it = t->item, g = t->group;
+    const int nq = q_len[it], ctx = ctx_len[it], cached = ctx - nq;
+    const int64_t moff = mask_off[it];
+    const int32_t *table = tables + table_off[it];
+    const int last_row = t->row0 + t->rows - 1;
+    const int kend = moff < 0 ? cached + last_row + 1 : ctx; /* the last key any row of this tile may see */
+    const int nblocks = (kend + BS - 1) / BS;
+    const int nv = t->rows * rep;            /* query vectors: row r, head j at r * rep + j */
+    const int64_t ld = (int64_t)kend + 8 + BS; /* room for a padded group's stores past the end */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(nv * (ld + 2 * D) + (BS + 8) * D));
+    if (!buf) return -2;
+    float *s = buf, *qv = s + nv * ld, *acc = qv + (int64_t)nv * D, *kf = acc + (int64_t)nv * D;
+    float m[TILE_Q * MAX_REP], l[TILE_Q * MAX_REP];
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    for (int r = 0; r < t->rows; r++)
+        for (int j = 0; j < rep; j++) {
+            const float *src = q + (int64_t)(q_start[it] + t->row0 + r) * ldq + (g * rep + j) * D;
+            float *dst = qv + (int64_t)(r * rep + j) * D;
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vscale));
+        }
+    memset(acc, 0, sizeof(float) * (size_t)nv * D);
+    __m256 vmax[TILE_Q * MAX_REP];
+    for (int i = 0; i < nv; i++) vmax[i] = ninf;
+    /* pass 1: every score, masked ones -inf, and each vector's maximum */
+    for (int b = 0; b < nblocks; b++) {
+        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
+        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
+        load(k_cache, base, nk, KVH, D, kf);
+        for (int k0 = 0; k0 < nk; k0 += 8) {
+            const int p = p0 + k0, valid = nk - k0 < 8 ? nk - k0 : 8;
+            const int plain = valid == 8 && p + 8 <= cached; /* all 8 keys are cached ones: all visible */
+            for (int r = 0; r < t->rows; r++) {
+                __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+                if (!plain) {
+                    const int row = t->row0 + r;
+                    int32_t lane[8];
+                    for (int x = 0; x < 8; x++) {
+                        const int pp = p + x;
+                        int vis = x < valid;
+                        if (vis && pp >= cached) {
+                            const int jj = pp - cached;
+                            vis = moff < 0 ? (jj <= row) : (masks[moff + (int64_t)row * nq + jj] != 0);
+                        }
+                        lane[x] = vis ? -1 : 0;
+                    }
+                    keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane));
+                }
+                for (int j = 0; j < rep; j++) {
+                    const int i = r * rep + j;
+                    const __m256 dots = _mm256_blendv_ps(ninf, pa_dots8(qv + (int64_t)i * D, kf + (int64_t)k0 * D, D), keep);
+                    _mm256_storeu_ps(s + i * ld + p, dots);
+                    vmax[i] = _mm256_max_ps(vmax[i], dots);
+                }
+            }
+        }
+    }
+    /* pass 2: weights (0 where masked), and their sum key by key in position order */
+    for (int i = 0; i < nv; i++) {
+        m[i] = pa_hmax(vmax[i]);
+        l[i] = 0.0f;
+        if (m[i] == -INFINITY) { /* nothing visible: every weight 0 */
+            memset(s + i * ld, 0, sizeof(float) * (size_t)(kend + 8));
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(m[i]);
+        float *sp = s + i * ld;
+        for (int p = 0; p < kend; p += 8) {
+            const __m256 x = _mm256_loadu_ps(sp + p);
+            const __m256 w = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), pa_exp(_mm256_sub_ps(x, vm)));
+            _mm256_storeu_ps(sp + p, w);
+        }
+        for (int p = kend; p < kend + 8; p++) sp[p] = 0.0f; /* a padded group's tail adds nothing */
+    }
+    for (int p = 0; p < kend; p++)
+        for (int i = 0; i < nv; i++) l[i] += s[i * ld + p];
+    /* pass 3: the weighted values, eight dims at a time, key by key in position order */
+    for (int b = 0; b < nblocks; b++) {
+        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
+        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
+        load(v_cache, base, nk, KVH, D, kf);
+        for (int d = 0; d < D; d += 8)
+            for (int i0 = 0; i0 < nv; i0 += 4) {
+                const int ni = nv - i0 < 4 ? nv - i0 : 4;
+                const float *w0 = s + (int64_t)i0 * ld + p0;
+                __m256 c0 = _mm256_loadu_ps(acc + (int64_t)i0 * D + d), c1 = c0, c2 = c0, c3 = c0;
+                if (ni > 1) c1 = _mm256_loadu_ps(acc + (int64_t)(i0 + 1) * D + d);
+                if (ni > 2) c2 = _mm256_loadu_ps(acc + (int64_t)(i0 + 2) * D + d);
+                if (ni > 3) c3 = _mm256_loadu_ps(acc + (int64_t)(i0 + 3) * D + d);
+                for (int tk = 0; tk < nk; tk++) {
+                    const __m256 v = _mm256_loadu_ps(kf + (int64_t)tk * D + d);
+                    c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + tk), v, c0);
+                    if (ni > 1) c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + ld + tk), v, c1);
+                    if (ni > 2) c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + 2 * ld + tk), v, c2);
+                    if (ni > 3) c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + 3 * ld + tk), v, c3);
+                }
+                _mm256_storeu_ps(acc + (int64_t)i0 * D + d, c0);
+                if (ni > 1) _mm256_storeu_ps(acc + (int64_t)(i0 + 1) * D + d, c1);
+                if (ni > 2) _mm256_storeu_ps(acc + (int64_t)(i0 + 2) * D + d, c2);
+                if (ni > 3) _mm256_storeu_ps(acc + (int64_t)(i0 + 3) * D + d, c3);
+            }
+    }
+    for (int r = 0; r < t->rows; r++)
+        for (int j = 0; j < rep; j++) {
+            const int i = r * rep + j;
+            float *dst = out + ((int64_t)(q_start[it] + t->row0 + r) * H + g * rep + j) * D;
+            const __m256 inv = _mm256_set1_ps(l[i] > 0.0f ? 1.0f / l[i] : 0.0f);
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)i * D + d), inv));
+        }
+    free(buf);
+    return 0;
+}
+#endif
+
 #define DEFINE_KERNEL(NAME, KV_T, LOAD)                                                             \
     /* nk keys (or values) of one KV head from one cache block, as float32 */                          \
     static void NAME##_load(const KV_T *cache, int64_t base, int nk, int KVH, int D, float kf[][D]) {    \
@@ -49,7 +250,7 @@ typedef struct {
         }                                                                                             \
     }                                                                                                 \
                                                                                                       \
-    static int NAME##_task(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out,       \
+    static int NAME##_task_scalar(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out,       \
                            const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,       \
                            const int32_t *tables, const int32_t *table_off, const uint8_t *masks,      \
                            const int64_t *mask_off, int H, int KVH, int D, int BS, float scale,        \
@@ -143,6 +344,18 @@ typedef struct {
         return 0;                                                                                     \
     }                                                                                                 \
                                                                                                       \
+    static int NAME##_task(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out,          \
+                           const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,       \
+                           const int32_t *tables, const int32_t *table_off, const uint8_t *masks,      \
+                           const int64_t *mask_off, int H, int KVH, int D, int BS, float scale,        \
+                           int64_t ldq, const task_t *t) {                                              \
+        if (VECTOR_OK(D))                                                                             \
+            return VECTOR_TASK(q, k_cache, v_cache, VECTOR_LOAD(NAME), out, q_start, q_len, ctx_len,   \
+                               tables, table_off, masks, mask_off, H, KVH, D, BS, scale, ldq, t);      \
+        return NAME##_task_scalar(q, k_cache, v_cache, out, q_start, q_len, ctx_len, tables, table_off, \
+                                  masks, mask_off, H, KVH, D, BS, scale, ldq, t);                      \
+    }                                                                                                 \
+                                                                                                      \
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out, int n_items,       \
              const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables, \
              const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,   \
@@ -171,6 +384,18 @@ typedef struct {
         free(tasks);                                                                                  \
         return rc;                                                                                    \
     }
+
+#ifdef PA_AVX2
+#define VECTOR_OK(D) ((D) % 8 == 0)
+#define VECTOR_TASK pa_task_avx2
+#define VECTOR_LOAD(NAME) NAME##_vload
+#define paged_attention_f32_vload pa_load_f32
+#define paged_attention_bf16_vload pa_load_bf16
+#else
+#define VECTOR_OK(D) 0
+#define VECTOR_TASK(...) 0
+#define VECTOR_LOAD(NAME) 0
+#endif
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
