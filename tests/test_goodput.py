@@ -37,7 +37,7 @@ def test_select_keeps_the_best_nodes_of_every_choice() -> None:
     """Against every possible selection (a prefix of each request's nodes), on a linear step cost
     with a per-tree cost: the controller's choice has the highest expected tokens per second."""
     rng = random.Random(0)
-    cost = StepCostModel(ForwardProfile(CPU_LIKE))
+    cost = StepCostModel(ForwardProfile(CPU_LIKE), per_attended=2e-6)  # 2 us per token of context
     cost.w[2] = 0.002  # 2 ms per request carrying a tree
     ctl = GoodputController(cost)
     for trial in range(60):
@@ -48,7 +48,8 @@ def test_select_keeps_the_best_nodes_of_every_choice() -> None:
             for _ in range(rng.randint(0, 4)):
                 p *= rng.uniform(0.05, 0.99)
                 vals.append(p)
-            cands.append(Candidate(tuple(vals), fixed_cost=rng.choice([0.0, 0.0005, 0.003])))
+            cands.append(Candidate(tuple(vals), fixed_cost=rng.choice([0.0, 0.0005, 0.003]),
+                                   context=rng.choice([0, 100, 2000])))
         sel = ctl.select(base, base.tokens, cands)
         best = max(goodput(ctl, base, base.tokens, cands, c)
                    for c in itertools.product(*[range(len(c.values) + 1) for c in cands]))
@@ -65,6 +66,18 @@ def test_nothing_is_drafted_where_it_cannot_pay_and_everything_likely_where_it_i
     assert 0 < cpu_likely[0] < 6  # the tail of the chain does not pay for its 17% a token
     assert gpu.select(StepShape(4), 4, likely).counts == (6, 6, 6, 6)  # verification is free
     assert gpu.select(StepShape(4), 4, unlikely).counts == (2, 2, 2, 2)
+
+
+def test_a_node_is_charged_for_the_context_it_attends_to() -> None:
+    """Where attention costs, the same draft pays for fewer nodes at a long context than at a
+    short one, and the step's predicted time counts the nodes' attention."""
+    ctl = GoodputController(StepCostModel(ForwardProfile(CPU_LIKE), per_attended=2e-6))
+    values = (0.9, 0.75, 0.6, 0.45, 0.3)
+    short, long = Candidate(values, context=50), Candidate(values, context=4000)
+    counts = ctl.select(StepShape(2, attended=4050), 2, [short, long]).counts
+    assert counts[0] > counts[1]
+    sel = ctl.evaluate(StepShape(2, attended=4050), 2, [short, long], [1, 1])
+    assert sel.seconds == pytest.approx(ctl.predict(StepShape(4, 2, 4050 + 4050)))
 
 
 def test_the_cost_model_learns_step_time_from_the_steps() -> None:
@@ -139,7 +152,8 @@ def test_seeded_requests_give_the_same_tokens_with_any_drafts_in_any_batch(tiny_
 
 def test_recycling_learns_from_plain_steps(tiny_llama: Path) -> None:
     """A controller that grants nothing: the recycling drafter still fills its table from the
-    target's top tokens at every plain step."""
+    target's top tokens at plain steps (at every one here; a drafter idle for a while learns from
+    every LEARN_EVERY-th)."""
 
     class Nothing(FixedController):
         def select(self, base, rows, candidates):
@@ -149,6 +163,7 @@ def test_recycling_learns_from_plain_steps(tiny_llama: Path) -> None:
     speculator = llm.engine.speculator
     speculator.controller = Nothing()
     speculator.explore_every = 10**9
+    speculator.LEARN_EVERY = 1
     out = llm.generate(random_prompts(1, seed=33)[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]
     assert llm.engine.draft_totals.steps == 0

@@ -79,7 +79,9 @@ def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("cached", [1, 7, 40, 61, 200, 333, 517])
-def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(cached: int, dtype: torch.dtype) -> None:
+def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
+    cached: int, dtype: torch.dtype
+) -> None:
     """A query row attending to the same keys gets bit for bit the same output as a decode alone,
     a decode among others, the last row of a prefill chunk, and a draft-tree node whose sibling
     (masked) lies between its ancestors: verification's logits are plain decoding's, whatever the
@@ -94,7 +96,8 @@ def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
         """items: (cached keys, new queries, new keys, new values, tree mask); each item's cached
         keys are the first ones of `keys`, its blocks its own. Returns every output row."""
         kc, vc = torch.zeros(NB, BS, KVH, D, dtype=dtype), torch.zeros(NB, BS, KVH, D, dtype=dtype)
-        q_start, q_len, ctx_len, tables, masks, slots, qs, ks, vs, t, next_block = [], [], [], [], [], [], [], [], [], 0, 0
+        q_start, q_len, ctx_len, tables, masks, slots = [], [], [], [], [], []
+        qs, ks, vs, t, next_block = [], [], [], 0, 0
         for c, q, k, v, mask in items:
             n = len(q)
             table = list(range(next_block + 3, next_block + 3 + -(-(c + n) // BS)))[::-1]  # blocks out of order

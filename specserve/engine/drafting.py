@@ -76,6 +76,31 @@ def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=P
     return seconds
 
 
+def probe_attention(runner: ModelRunner, num_blocks: int, context: int = 512, rows: int = 8) -> float:
+    """Seconds one new token adds per token of context it attends to: `rows` one-token items after
+    `context` cached tokens against as many after none (the best of four each; several rows, so
+    that the difference stands out of the noise). The cached K/V need no meaning, only to be
+    memory that reading costs what reading a request's does: the blocks no request holds yet are
+    written with zeros first (untouched pages would all read one shared zero page). 0 where the
+    cache is too small to tell."""
+    bs = runner.block_size
+    context = min(context, num_blocks * bs - 1)
+    if context < 64:
+        return 0.0
+    table = list(range(-(-(context + 1) // bs)))
+    best: dict[int, float] = {}
+    with torch.inference_mode():
+        for k_cache, v_cache in runner.kv_cache:
+            k_cache[: len(table)].zero_()
+            v_cache[: len(table)].zero_()
+        for start in (0, context, 0, context):
+            for _ in range(2):
+                t = time.perf_counter()
+                runner.run([ForwardItem(table, start, [0])] * rows).logits.sum().item()
+                best[start] = min(best.get(start, float("inf")), time.perf_counter() - t)
+    return max(0.0, (best[context] - best[0]) / (rows * context))
+
+
 def build_speculator(
     spec: SpeculativeConfig, config: EngineConfig, runner: ModelRunner, tokenizer: Any | None,
     draft_builder: DraftBuilder | None,
@@ -94,8 +119,10 @@ def build_speculator(
     else:
         num_blocks = runner.kv_cache[0][0].shape[0]
         seconds = probe_forward(runner, num_blocks, min(config.scheduler.max_num_batched_tokens, config.max_model_len))
-        logger.info("forward time by tokens: %s", {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()})
-        controller = GoodputController(StepCostModel(ForwardProfile(seconds)))
+        attended = probe_attention(runner, num_blocks, min(512, config.max_model_len - 1))
+        logger.info("forward time by tokens: %s; attention %.2f us per token of context",
+                    {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, attended * 1e6)
+        controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended))
     return Speculator(drafters, sampler, verifier, spec.num_tokens, controller)
 
 

@@ -10,12 +10,13 @@ whose expected tokens pay for their cost at the batch's goodput, and none when n
   given that its parent was, by depth and by sibling rank; a request's estimate starts from its
   drafter's history across requests and moves with what its own steps show.
 - `StepCostModel`: a step's seconds from its shape (tokens in the forward, requests carrying a
-  tree, attended context), fitted online from the engine's own steps on top of a short probe of
-  forward time by token count taken at start: right where 16 verified tokens cost 1.4x one (a
-  2-core CPU) and where 1 to 64 cost the same (a GPU).
+  tree, attended context), from short probes taken at start (forward time by token count, and
+  by context attended), scaled and completed online from the engine's own steps: right where 16
+  verified tokens cost 1.4x one (a 2-core CPU) and where 1 to 64 cost the same (a GPU).
 - `GoodputController.select`: given every request's candidate nodes sorted by value, the
   selection that maximises (expected tokens) / (predicted seconds), by Dinkelbach's iteration:
-  at goodput g a node is kept when its value exceeds g x (its marginal cost), a request drafts
+  at goodput g a node is kept when its value exceeds g x (its marginal cost: one more token in
+  the forward, attending to its request's context), a request drafts
   when its kept nodes together pay g x (its fixed cost); g is then recomputed, and the
   iteration ends when the selection stops changing.
 """
@@ -196,24 +197,29 @@ class StepShape:
 
 
 class StepCostModel:
-    """seconds = w0 + w1 x forward(tokens) + w2 x drafted + w3 x attended / 1e4, by recursive least
-    squares with forgetting, starting from the probe (w1 = 1, the rest 0). Drafting time is
-    measured apart (per drafter) and is not part of this model."""
+    """seconds = w0 + w1 x (forward(tokens) + a x attended) + w2 x drafted, by recursive least
+    squares with forgetting. The shape of a forward's cost comes from the probes taken at start
+    (`forward` by token count; `a`, seconds per token of attended context); the steps teach the
+    model how that shape scales on the machine as it runs (w1, starting at 1), the per-step
+    overhead (w0) and what a request carrying a draft tree adds (w2), both starting at 0. Drafting
+    time is measured apart (per drafter) and is not part of this model."""
 
-    def __init__(self, profile: ForwardProfile, forgetting: float = 0.99) -> None:
+    def __init__(self, profile: ForwardProfile, forgetting: float = 0.99, per_attended: float = 0.0) -> None:
         self.profile = profile
         self.forgetting = forgetting
-        self.w = np.array([0.0, 1.0, 0.0, 0.0])
+        self.attention = max(per_attended, 0.0)
+        self.w = np.array([0.0, 1.0, 0.0])
         one = profile(1)
         # Prior spreads in units of the measurement noise (about 5% of a one-token step): the
         # probe's scale is trusted to within half, the other terms may be up to a step's size.
         noise = 0.05 * one
-        self._p0 = np.diag(np.array([one, 0.5, 0.2 * one, one]) ** 2 / noise ** 2)
+        self._p0 = np.diag(np.array([one, 0.5, 0.2 * one]) ** 2 / noise ** 2)
         self.P = self._p0.copy()
         self.observations = 0
 
     def _x(self, shape: StepShape) -> np.ndarray:
-        return np.array([1.0, self.profile(shape.tokens), float(shape.drafted), shape.attended / 1e4])
+        forward = self.profile(shape.tokens) + self.attention * shape.attended
+        return np.array([1.0, forward, float(shape.drafted)])
 
     def _weights(self) -> np.ndarray:
         w = self.w.copy()
@@ -226,6 +232,10 @@ class StepCostModel:
     def per_tree(self) -> float:
         """Seconds a request adds by carrying a draft tree at all (masks, verification)."""
         return max(float(self.w[2]), 0.0)
+
+    def per_attended(self) -> float:
+        """Seconds one new token adds per token of context it attends to."""
+        return max(float(self.w[1]), 0.0) * self.attention
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = self._x(shape)
@@ -250,6 +260,7 @@ class Candidate:
     values: tuple[float, ...]
     fixed_cost: float = 0.0
     node_cost: float = 0.0  # seconds each node adds beyond its forward token (a draft model's forward)
+    context: int = 0  # tokens each node attends to (its request's context): its attention's cost
 
 
 class Controller(Protocol):
@@ -279,6 +290,7 @@ class GoodputController:
         """base: the step without drafts; sampling_rows: requests that emit a token this step."""
         best = self.evaluate(base, sampling_rows, candidates, [0] * len(candidates))
         per_tree = self.cost.per_tree()
+        per_attended = self.cost.per_attended()
         base_seconds = self.cost.predict(base)
         for _ in range(self.max_iterations):
             g = best.expected_tokens / best.seconds
@@ -289,7 +301,7 @@ class GoodputController:
             counts = []
             for c in candidates:
                 gain, k = 0.0, 0
-                cost = per_token + c.node_cost
+                cost = per_token + c.node_cost + per_attended * c.context
                 for j, v in enumerate(c.values):
                     if v <= g * cost:
                         break
@@ -316,7 +328,8 @@ class GoodputController:
         """Expected tokens and predicted seconds of the step with `counts` nodes kept per candidate."""
         accepted = sum(sum(c.values[:k]) for c, k in zip(candidates, counts))
         drafted = sum(1 for k in counts if k)
-        shape = StepShape(base.tokens + sum(counts), base.drafted + drafted, base.attended)
+        attended = sum(k * c.context for c, k in zip(candidates, counts))
+        shape = StepShape(base.tokens + sum(counts), base.drafted + drafted, base.attended + attended)
         drafting = sum(c.fixed_cost + k * c.node_cost for c, k in zip(candidates, counts) if k)
         seconds = self.cost.predict(shape) + drafting
         return Selection(tuple(counts), rows + accepted, seconds, accepted)

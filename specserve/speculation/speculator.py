@@ -104,12 +104,16 @@ class _Step:
     plain_ids: dict[int, str] = field(default_factory=dict)  # items that decoded without a draft
     plain_views: dict[int, RequestView] = field(default_factory=dict)
     top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
 
 class Speculator:
     # After this many drafter failures in a row, speculation is switched off for good.
     MAX_FAILURES = 20
+    # A drafter that learns from the target (top-k of its logits at every row: a cost on every step)
+    # and has not drafted for a while learns from every LEARN_EVERY-th step only.
+    LEARN_EVERY = 4
 
     def __init__(
         self,
@@ -137,6 +141,8 @@ class Speculator:
         self._totals = _Totals()
         self._grants: Counter[int] = Counter()
         self._drafted_with: Counter[str] = Counter()
+        self._step_no = 0
+        self._used_at: dict[str, int] = {}  # drafter -> the last step that verified one of its trees
 
     @property
     def enabled(self) -> bool:
@@ -190,10 +196,11 @@ class Speculator:
             chance = a.proposes(name, rid)
             values = tuple(chance * v for v in a.chain_values(name, rid, d.request.budget))
             cost = self._propose_cost.get(name, 0.0)
+            context = d.request.num_computed + 1
             if self._active[name].runs_a_model:
-                candidates.append(Candidate(values, node_cost=cost))
+                candidates.append(Candidate(values, node_cost=cost, context=context))
             else:
-                candidates.append(Candidate(values, fixed_cost=cost))
+                candidates.append(Candidate(values, fixed_cost=cost, context=context))
         grants = list(self.controller.select(base, rows, candidates).counts)
         for i, (d, name) in enumerate(zip(decodes, names)):
             if grants[i] == 0 and self._exploring(d.request.view.request_id, name):
@@ -252,9 +259,9 @@ class Speculator:
             order[i] = sorted(range(len(tree)), key=lambda n: (-v[n], n))
             values[i] = v
         keys = list(proposed)
-        sel = self.controller.select(
-            base, rows, [Candidate(tuple(values[i][n] for n in order[i])) for i in keys]
-        )
+        sel = self.controller.select(base, rows, [
+            Candidate(tuple(values[i][n] for n in order[i]), context=decodes[i].request.num_computed + 1) for i in keys
+        ])
         drafts: dict[int, DraftTree] = {}
         kept_tokens = 0
         attended = 0
@@ -316,9 +323,22 @@ class Speculator:
             for tok, lp, err in zip(out.token_ids, out.logprobs, out.errors)
         ]
 
+    def _learning(self) -> frozenset[str]:
+        """The drafters that learn from the target's rows this step: those that drafted this step
+        or lately, and now and then the others (learning costs a top-k over every row's logits)."""
+        step = self._step
+        now = {d.name for d in step.drafted.values()}
+        return frozenset(
+            name for name, d in self.drafters.items() if d.target_topk > 0 and (
+                name in now or self._step_no - self._used_at.get(name, -(1 << 30)) < self.explore_every
+                or self._step_no % self.LEARN_EVERY == 0
+            )
+        )
+
     def _keep_top_ids(self, items: list[SampleItem], drafts: dict[int, DraftTree], logits: torch.Tensor) -> None:
         """For drafters that learn from the target: its top tokens at every verified row."""
-        k = max((d.target_topk for d in self.drafters.values()), default=0)
+        self._step.learners = learners = self._learning()
+        k = max((self.drafters[name].target_topk for name in learners), default=0)
         if k <= 0 or not items:
             return
         top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices.cpu()
@@ -346,6 +366,7 @@ class Speculator:
                 self._learn(step, seconds)
         except Exception:  # noqa: BLE001 - the step's tokens are out already; learning is optional
             logger.exception("speculation failed while learning from a step")
+        self._step_no += 1
         for request_id, view in step.finished:
             self._finish_now(request_id, view)
 
@@ -365,11 +386,12 @@ class Speculator:
             accepted += len(verdict.accepted)
             self._since_draft[rid] = 0
             self._drafted_with[d.name] += 1
-            self._tell_drafters(d.view, d.name, d.tree, step.top_ids.get(index))
+            self._used_at[d.name] = self._step_no
+            self._tell_drafters(d.view, d.name, d.tree, step.top_ids.get(index), step.learners)
         for index, view in step.plain_views.items():
             verdict = step.verdicts.get(index)
             if verdict is not None and verdict.error is None:
-                self._tell_drafters(view, None, EMPTY_TREE, step.top_ids.get(index))
+                self._tell_drafters(view, None, EMPTY_TREE, step.top_ids.get(index), step.learners)
         for index, rid in step.plain_ids.items():
             self._since_draft[rid] = self._since_draft.get(rid, 0) + 1
         self._grants.update(step.grants)
@@ -386,11 +408,12 @@ class Speculator:
             t.cost_steps += 1
 
     def _tell_drafters(
-        self, view: RequestView, verified_by: str | None, tree: DraftTree, top: torch.Tensor | None
+        self, view: RequestView, verified_by: str | None, tree: DraftTree, top: torch.Tensor | None,
+        learners: frozenset[str],
     ) -> None:
         for name, drafter in list(self.drafters.items()):
             mine = name == verified_by
-            if not mine and drafter.target_topk <= 0:
+            if not mine and name not in learners:
                 continue
             rows = None
             if top is not None and drafter.target_topk > 0:
