@@ -190,12 +190,14 @@ class Speculator:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
         drafter's own time; now and then one node for a request given none, to keep measuring."""
         a = self.acceptance
+        lookups = [n for n, dr in self._active.items() if not dr.runs_a_model]
+        asking_all = sum(self._propose_cost.get(n, 0.0) for n in lookups)  # see _run_drafters
         candidates = []
         for d, name in zip(decodes, names):
             rid = d.request.view.request_id
             chance = a.proposes(name, rid)
             values = tuple(chance * v for v in a.chain_values(name, rid, d.request.budget))
-            cost = self._propose_cost.get(name, 0.0)
+            cost = asking_all if name in lookups and len(lookups) > 1 else self._propose_cost.get(name, 0.0)
             context = d.request.num_computed + 1
             if self._active[name].runs_a_model:
                 candidates.append(Candidate(values, node_cost=cost, context=context))
@@ -216,16 +218,24 @@ class Speculator:
         return (self._since_draft.get(request_id, 0) + 1) % every == 0
 
     def _run_drafters(self, decodes: list[Decode], names: list[str], grants: list[int]) -> dict[int, DraftTree]:
-        """Each drafter proposes for the requests it was chosen for and granted nodes; by position."""
-        out: dict[int, DraftTree] = {}
-        for name, drafter in self._active.items():
-            group = [i for i, n in enumerate(names) if n == name and grants[i] > 0]
-            if not group:
+        """Each drafter proposes for the requests it was chosen for and granted nodes; by position.
+        With several lookup drafters (`auto`), a request granted nodes by a lookup is asked of every
+        lookup (each costs tens of microseconds) and keeps the tree its drafters' measured acceptance
+        values most; `names` is updated to the drafter whose tree is kept."""
+        lookups = [n for n, d in self._active.items() if not d.runs_a_model]
+        asked: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            if grants[i] <= 0:
                 continue
+            for n in (lookups if name in lookups and len(lookups) > 1 else [name]):
+                asked.setdefault(n, []).append(i)
+        trees: dict[int, list[tuple[str, DraftTree]]] = {}
+        for name, group in asked.items():
+            drafter = self._active[name]
             requests = [replace(decodes[i].request, budget=grants[i]) for i in group]
             start = time.perf_counter()
             try:
-                trees = drafter.propose(requests)
+                proposed = drafter.propose(requests)
             except Exception:  # noqa: BLE001 - drafts are optional: these requests decode plainly
                 self._failed("propose")
                 for i in group:  # so that `auto` stops choosing a drafter that cannot propose
@@ -238,11 +248,15 @@ class Speculator:
             old = self._propose_cost.get(name)
             per = seconds / units
             self._propose_cost[name] = per if old is None else 0.8 * old + 0.2 * per
-            for i, tree in zip(group, trees):
+            for i, tree in zip(group, proposed):
                 tree = tree.truncated(grants[i])
                 self._step.asked.append((name, decodes[i].request.view.request_id, len(tree) > 0))
                 if len(tree) > 0:
-                    out[i] = tree
+                    trees.setdefault(i, []).append((name, tree))
+        out: dict[int, DraftTree] = {}
+        for i, options in trees.items():
+            rid = decodes[i].request.view.request_id
+            names[i], out[i] = max(options, key=lambda o: sum(self.acceptance.node_values(o[0], rid, o[1])))
         return out
 
     def _select(
