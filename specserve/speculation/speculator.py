@@ -190,14 +190,13 @@ class Speculator:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
         drafter's own time; now and then one node for a request given none, to keep measuring."""
         a = self.acceptance
-        lookups = [n for n, dr in self._active.items() if not dr.runs_a_model]
-        asking_all = sum(self._propose_cost.get(n, 0.0) for n in lookups)  # see _run_drafters
+        asking_all = sum(self._propose_cost.get(n, 0.0) for n in self._lookups())  # see _run_drafters
         candidates = []
         for d, name in zip(decodes, names):
             rid = d.request.view.request_id
             chance = a.proposes(name, rid)
             values = tuple(chance * v for v in a.chain_values(name, rid, d.request.budget))
-            cost = asking_all if name in lookups and len(lookups) > 1 else self._propose_cost.get(name, 0.0)
+            cost = asking_all if self._asks_all(name) else self._propose_cost.get(name, 0.0)
             context = d.request.num_computed + 1
             if self._active[name].runs_a_model:
                 candidates.append(Candidate(values, node_cost=cost, context=context))
@@ -217,17 +216,23 @@ class Speculator:
         every = self.explore_every if self._active[name].runs_a_model else max(1, self.explore_every // 4)
         return (self._since_draft.get(request_id, 0) + 1) % every == 0
 
+    def _lookups(self) -> list[str]:
+        return [n for n, d in self._active.items() if not d.runs_a_model]
+
+    def _asks_all(self, name: str) -> bool:
+        """Whether a request granted nodes by `name` is asked of every lookup drafter (`auto`)."""
+        return not self._active[name].runs_a_model and len(self._lookups()) > 1
+
     def _run_drafters(self, decodes: list[Decode], names: list[str], grants: list[int]) -> dict[int, DraftTree]:
         """Each drafter proposes for the requests it was chosen for and granted nodes; by position.
         With several lookup drafters (`auto`), a request granted nodes by a lookup is asked of every
         lookup (each costs tens of microseconds) and keeps the tree its drafters' measured acceptance
         values most; `names` is updated to the drafter whose tree is kept."""
-        lookups = [n for n, d in self._active.items() if not d.runs_a_model]
         asked: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             if grants[i] <= 0:
                 continue
-            for n in (lookups if name in lookups and len(lookups) > 1 else [name]):
+            for n in (self._lookups() if self._asks_all(name) else [name]):
                 asked.setdefault(n, []).append(i)
         trees: dict[int, list[tuple[str, DraftTree]]] = {}
         for name, group in asked.items():
