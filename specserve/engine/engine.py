@@ -187,9 +187,11 @@ class LLMEngine:
     def _step(self, batch: tuple[ScheduledSeq, ...]) -> list[RequestOutput]:
         decodes = self._decodes(batch)
         drafts = self.speculator.propose(decodes, _shape(batch), sum(it.samples for it in batch))
-        out = self.runner.execute(batch, drafts)  # out.hidden: for learned drafters
+        out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden)
         items = [SampleItem(i, batch[i].seq, r) for i, r in enumerate(out.rows) if r is not None]
         verdicts = self.speculator.verify(items, drafts, out.logits)
+        if out.all_hidden is not None:
+            self.speculator.features(self._committed_hidden(batch, drafts, verdicts, out.all_hidden, out.offsets))
         outputs = []
         for i, item in enumerate(batch):
             req = self._requests[item.seq.request_id]
@@ -207,6 +209,27 @@ class LLMEngine:
                 logger.exception("request %s failed in its commit or emit", item.seq.request_id)
                 outputs.append(self._fail(req, f"internal error: {type(e).__name__}: {e}"))
         return outputs
+
+    @staticmethod
+    def _committed_hidden(
+        batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree], verdicts: dict[int, Verdict],
+        hidden: torch.Tensor, offsets: tuple[int, ...],
+    ) -> list[tuple[str, int, torch.Tensor]]:
+        """Per request, the target's hidden states of the tokens this step commits (before the
+        commit): a chunk's tokens, or the root and the accepted nodes of a verified tree."""
+        out = []
+        for i, item in enumerate(batch):
+            verdict = verdicts.get(i)
+            if verdict is not None and verdict.error is not None:
+                continue
+            seq, off = item.seq, offsets[i]
+            tree = drafts.get(i)
+            if tree is None or verdict is None:
+                rows = hidden[off : off + item.num_new_tokens]
+            else:
+                rows = hidden[[off] + [off + 1 + a for a in verdict.accepted]]
+            out.append((seq.request_id, seq.num_computed_tokens, rows))
+        return out
 
     def _draft_cap(self, seq: Sequence) -> int:
         """The most draft nodes `seq` may be given this step (the scheduler reserves room for them)."""

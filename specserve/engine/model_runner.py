@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 
@@ -54,14 +55,15 @@ class ModelRunner:
         self.attention = attention
 
     def execute(
-        self, batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree] | None = None
+        self, batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree] | None = None, all_hidden: bool = False
     ) -> ForwardOutput:
         """Run one forward over a scheduled batch, with draft trees for some decodes.
 
         drafts maps an index into `batch` to that request's draft tree. Returns float32 logits, the
         hidden states they came from, and per batch item (first row, number of rows) into them, or
         None when the item does not sample this step: one row for a plain step, 1 + len(tree) rows
-        (root, then each node) for a step carrying a draft.
+        (root, then each node) for a step carrying a draft. `all_hidden`: also every new token's
+        hidden state (for drafters that learn from them).
         """
         drafts = drafts or {}
         items: list[ForwardItem] = []
@@ -81,17 +83,21 @@ class ModelRunner:
                     seq.block_table, start, seq.token_slice(start, start + sched.num_new_tokens),
                     logits="last" if sched.samples else "none",
                 ))
-        return self.run(items)
+        return self.run(items, all_hidden=all_hidden)
 
     @torch.inference_mode()
-    def run(self, items: list[ForwardItem], num_layers: int | None = None) -> ForwardOutput:
+    def run(self, items: list[ForwardItem], num_layers: int | None = None, all_hidden: bool = False) -> ForwardOutput:
         """Forward `items` through the model (or its first `num_layers` layers, as a self-drafter);
         returns logits and hidden states for the requested rows and each item's (first row, count)
         or None."""
         input_ids, positions, slots, logit_idx, rows = self._flatten(items)
         attn = PlannedAttention(self.attention, self.attention.plan(self._attention_batch(items, slots), self.device))
-        hidden = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)[logit_idx]
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, rows)
+        every = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)
+        hidden = every[logit_idx]
+        if not all_hidden:
+            return ForwardOutput(self.model.compute_logits(hidden), hidden, rows)
+        offsets = tuple(itertools.accumulate((len(it.tokens) for it in items[:-1]), initial=0))
+        return ForwardOutput(self.model.compute_logits(hidden), hidden, rows, every, offsets)
 
     def copy_slots(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
         """Copy K/V between logical slots of one request, in every layer: (src, dst) pairs."""

@@ -17,11 +17,15 @@ class ForwardOutput:
     hidden: [R, hidden] the final-normed hidden states of those rows (what the LM head reads; a
         learned drafter drafts from them)
     rows: per item, (first row, number of rows) into both, or None when the item asked for none
+    all_hidden: [T, hidden] the final-normed hidden states of every new token, when asked for
+    offsets: per item, its first token's row in `all_hidden`
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor
     rows: list[tuple[int, int] | None]
+    all_hidden: torch.Tensor | None = None
+    offsets: tuple[int, ...] = ()
 
     def __iter__(self):  # logits, rows = runner.run(...)
         return iter((self.logits, self.rows))

@@ -51,6 +51,9 @@ class Drafter(ABC):
       another drafter's tree;
       `finish` when a request leaves the engine, finished or aborted, so per-request state
       can be dropped.
+    - Drafters with `wants_hidden` (learned heads) get, through `features`, the target's final
+      hidden state at every token it commits (prefill chunks, the root, accepted nodes), during the
+      step, before the next `propose`.
     """
 
     #: how many of the target's top token ids per verified node `observe` should get (0 = none)
@@ -58,6 +61,8 @@ class Drafter(ABC):
     #: whether proposing runs a model forward per draft depth (its cost grows with the chain's
     #: length) rather than a lookup per request
     runs_a_model: bool = False
+    #: whether `features` should get the target's hidden states of committed tokens
+    wants_hidden: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
@@ -70,6 +75,10 @@ class Drafter(ABC):
         target_top_ids: [len(tree) + 1, target_topk] the target's most likely next tokens at
         the root (row 0) and at each node (row i + 1), or None when target_topk is 0.
         """
+
+    def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        """The target's final-normed hidden states [n, H] at positions start .. start + n - 1 of the
+        request, all committed (computed again after a preemption: they replace what was there)."""
 
     def finish(self, request_id: str, view: RequestView) -> None:
         """The request left the engine (finished or aborted); `view` is its final state."""

@@ -4,6 +4,7 @@ Each step the engine calls, in order:
 
     propose(decodes, base, sampling_rows) -> draft trees for some decodes
     verify(items, drafts, logits)         -> a verdict per sampling item (plain rows too)
+    features(committed)                   -> (if wants_hidden) hidden states of committed tokens
     observe(seconds)                      -> the step's outcome and its measured time
 and finish(request_id, view) when a request leaves.
 
@@ -326,6 +327,23 @@ class Speculator:
         self._step.plain_ids = {it.index: it.row.request_id for it in plain}
         self._keep_top_ids(items, drafts, logits)
         return verdicts
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether a drafter learns from the target's hidden states (the runner then keeps them)."""
+        return self.enabled and any(d.wants_hidden for d in self.drafters.values())
+
+    def features(self, committed: list[tuple[str, int, torch.Tensor]]) -> None:
+        """The target's hidden states of the tokens this step commits, per request: (request id,
+        position of the first, [n, hidden]); handed to the drafters that draft from them."""
+        for drafter in list(self.drafters.values()):
+            if not drafter.wants_hidden:
+                continue
+            for request_id, start, hidden in committed:
+                try:
+                    drafter.features(request_id, start, hidden)
+                except Exception:  # noqa: BLE001 - a drafter that cannot learn still leaves the step whole
+                    self._failed("features")
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Verdict]:
         """Plain decoding's draw for each row; if the batched draw raises, row by row, so that only
