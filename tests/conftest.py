@@ -15,6 +15,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for a hub
+os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars (generation, training) would flood failure reports
 
 from specserve.speculation.controller import FixedController, Selection  # noqa: E402 - after the env var
 
@@ -126,3 +127,47 @@ def shuffle_grants(llm: Any, seed: int = 0) -> Any:
     llm.engine.speculator.controller = ShuffledGrants(seed)
     return llm
 
+
+
+def write_random_head(target: Path, out: Path, seed: int = 0, draft_vocab: int | None = None) -> Path:
+    """An untrained EAGLE-style head shaped for the HF model at `target` (its drafts are random)."""
+    import json
+
+    from specserve.config import ModelConfig
+    from specserve.model.eagle import EagleHead, HeadConfig, save_head
+
+    cfg = ModelConfig.from_hf_dict(json.loads((target / "config.json").read_text()))
+    torch.manual_seed(seed)
+    head = EagleHead(HeadConfig.for_target(cfg, draft_vocab, target=str(target)), cfg.rope_theta)
+    if draft_vocab is not None:  # the upper ids, so that some tokens are outside the head's vocabulary
+        head.vocab_ids.copy_(torch.arange(cfg.vocab_size - draft_vocab, cfg.vocab_size))
+    save_head(head, out)
+    return out
+
+
+def write_copy_head(target: Path, out: Path) -> Path:
+    """A head that computes what the one-layer HF model at `target` computes: fc passes the next
+    token's embedding through, and the layer is the target's own. Row j (feature f_j, token t_{j+1})
+    then gives the target's output at t_{j+1} up to the final norm (whose weights are ones), so its
+    drafts are the target's choices, save for what the first token adds to the target's attention."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specserve.config import ModelConfig
+    from specserve.model.eagle import EagleHead, HeadConfig, save_head
+
+    cfg = ModelConfig.from_hf_dict(json.loads((target / "config.json").read_text()))
+    assert cfg.num_layers == 1
+    hf = load_file(str(target / "model.safetensors"))
+    assert torch.equal(hf["model.norm.weight"], torch.ones(cfg.hidden_size))
+    c = HeadConfig.for_target(cfg, target=str(target))
+    head = EagleHead(HeadConfig(**{**c.__dict__, "input_norm": True}), cfg.rope_theta)
+    state = {k[len("model."):]: v for k, v in hf.items() if k.startswith("model.layers.0.")}
+    eye = torch.eye(cfg.hidden_size)
+    state["fc.weight"] = torch.cat((eye, torch.zeros_like(eye)), dim=1)
+    state["fc.bias"] = torch.zeros(cfg.hidden_size)
+    state["vocab_ids"] = torch.arange(cfg.vocab_size)
+    head.load_state_dict(state)
+    save_head(head, out)
+    return out

@@ -111,7 +111,7 @@ def build_speculator(
     if not spec.enabled:
         return Speculator({}, sampler, verifier, 0, FixedController())
     mc = runner.model.config
-    target = ModelHandle(runner.run, mc.vocab_size, mc.num_layers, device)
+    target = ModelHandle(runner.run, mc.vocab_size, mc.num_layers, device, module=runner.model)
     draft = _draft_model(spec, config, draft_builder) if "draft-model" in spec.drafters else None
     drafters = build_drafters(spec, target, config.seed, draft, tokenizer)
     if spec.controller == "fixed":

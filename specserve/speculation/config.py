@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "layer-skip")
+SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "layer-skip", "eagle")
 # What `auto` chooses among, per request: the drafters that cost a lookup, not a forward.
 AUTO_METHODS = ("suffix", "ngram", "recycling")
 CONTROLLERS = ("goodput", "fixed")
@@ -14,7 +14,7 @@ CONTROLLERS = ("goodput", "fixed")
 class SpeculativeConfig:
     """Which drafter, and how many draft tokens per request per step.
 
-    method: none | auto | ngram | suffix | recycling | draft-model | layer-skip, or several joined
+    method: none | auto | ngram | suffix | recycling | draft-model | layer-skip | eagle, or several joined
         by "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first. `auto`
         keeps suffix, ngram and recycling side by side and drafts each request with the one
         whose measured acceptance pays best for it.
@@ -24,7 +24,8 @@ class SpeculativeConfig:
         cost, 0 included) | fixed (always K, the baseline)
     width: tree width for `ngram` (up to this many distinct continuations as branches); the
         other drafters choose their own tree shapes (recycling, suffix) or draft chains (models)
-    draft_model: model for `draft-model` (alias, .gguf or HF directory); must share the tokenizer
+    draft_model: model for `draft-model` (alias, .gguf or HF directory); must share the tokenizer;
+        for `eagle`, the head's directory (None: the head shipped for the model, if there is one)
     draft_layers: how many of the target's first layers `layer-skip` drafts with (None: the
         measured default for the model, else half the layers)
     """

@@ -17,12 +17,27 @@ from specserve.speculation.drafters.model_based import PagedKV
 # Layers the layer-skip drafter uses for a known model when none is given, chosen by measurement
 # (BENCHMARKS.md); `with_model_defaults` fills them in.
 DEFAULT_DRAFT_LAYERS = {"smollm2-135m": 24}
+# Draft heads shipped with the package (specserve/heads/<name>), by the model alias they were trained for.
+BUNDLED_HEADS = {"smollm2-135m": "smollm2-135m"}
+
+
+def bundled_head(model: str) -> str | None:
+    """The directory of the head shipped for `model`, if one is."""
+    name = BUNDLED_HEADS.get(model)
+    if name is None:
+        return None
+    from importlib.resources import files
+
+    path = files("specserve") / "heads" / name
+    return str(path) if path.joinpath("config.json").is_file() else None
 
 
 def with_model_defaults(spec: SpeculativeConfig, model: str) -> SpeculativeConfig:
     """`spec` with the measured per-model defaults filled in where the user gave none."""
     if "layer-skip" in spec.drafters and spec.draft_layers is None and model in DEFAULT_DRAFT_LAYERS:
-        return replace(spec, draft_layers=DEFAULT_DRAFT_LAYERS[model])
+        spec = replace(spec, draft_layers=DEFAULT_DRAFT_LAYERS[model])
+    if "eagle" in spec.drafters and spec.draft_model is None and bundled_head(model) is not None:
+        spec = replace(spec, draft_model=bundled_head(model))
     return spec
 
 
@@ -42,6 +57,7 @@ class ModelHandle:
     device: torch.device
     kv: PagedKV | None = None
     tokenizer: Any | None = None
+    module: Any | None = None  # the target's LlamaForCausalLM, for heads that read its embedding and LM head
 
 
 def build_drafters(
@@ -98,4 +114,32 @@ def _build_one(
                 f"draft_model: vocabulary size {draft.vocab_size} differs from the target's {target.vocab_size}"
             )
         return DraftModelDrafter(draft.forward, draft.kv, gen, spec.draft_stop_below)
+    if method == "eagle":
+        return _eagle(spec, target, gen)
     raise ValueError(f"spec: no drafter for method {method!r}")
+
+
+def _eagle(spec: SpeculativeConfig, target: ModelHandle, gen: torch.Generator) -> Drafter:
+    from specserve.model.eagle import load_head
+    from specserve.speculation.drafters.eagle import EagleDrafter
+
+    if spec.draft_model is None:
+        raise ValueError("draft_model: --spec eagle needs a draft head: --draft-model DIR (one that "
+                         "`specserve train-drafter` wrote, or an EAGLE-1/2 checkpoint); none ships for this model")
+    if target.module is None:
+        raise ValueError("draft_model: this engine gives drafters no access to the target's weights")
+    model = target.module
+    cfg = model.config
+    head = load_head(spec.draft_model, cfg.rope_theta, cfg.rope_scaling)
+    head.config.check_fits(cfg)
+    embed = model.embed_tokens.weight.detach()
+    head = head.to(device=embed.device, dtype=torch.float32)
+    lm = model.lm_head.weight
+    if lm is None:  # the LM head's kernel dropped its dense weights: read them back once
+        eye = torch.eye(cfg.hidden_size, device=embed.device)
+        with torch.inference_mode():
+            lm = model.lm_head(eye).T
+    if int(head.vocab_ids.max()) >= cfg.vocab_size:
+        raise ValueError("draft_model: the head's vocabulary ids exceed the target's vocabulary")
+    lm_rows = lm.detach().float()[head.vocab_ids].contiguous()
+    return EagleDrafter(head, embed.float(), lm_rows, gen, max_depth=max(1, spec.num_tokens))
