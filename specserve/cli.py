@@ -129,6 +129,36 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(a: argparse.Namespace) -> int:
+    import dataclasses
+    import logging
+
+    from specserve.train.drafter import DrafterTrainer, TrainConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
+    out = DrafterTrainer(config).run()
+    print(f"draft head written to {out}; serve it with --spec eagle --draft-model {out}")
+    return 0
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from specserve.train.drafter import TrainConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "out":
+            p.add_argument(flag, required=True, help="directory for the head, its data and checkpoints "
+                                                      "(an existing one resumes)")
+            continue
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", default=f.default)
+            continue
+        p.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dataset", default=None, help=dataset_help)
     sp.add_argument("--dataset-path", default=None, help="the named dataset's file, where not its default one")
     sp.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    sp.add_argument("--eagle-head", default=None, help="draft head for the eagle row (default: the one shipped "
+                                                         "for the model, if any)")
     add_report_args(sp, plot=True)
     sp.set_defaults(func=cmd_bench_spec)
 
@@ -184,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
                                              "over server configurations")
     add_serve_bench_args(sv)
     sv.set_defaults(func=cmd_bench_serve)
+
+    td = sub.add_parser("train-drafter", help="train an EAGLE-style draft head for a model on its own answers "
+                                              "(--spec eagle --draft-model OUT serves it)")
+    _add_train_args(td)
+    td.set_defaults(func=cmd_train_drafter)
 
     from specserve.server.cli import add_serve_parser  # here: specserve.server.cli imports this module
 

@@ -21,7 +21,7 @@ def layer(module: str) -> str:
     head = parts[1]
     if head in ("model", "speculation", "engine", "entrypoints"):
         return head
-    if head in ("cli", "server", "bench"):
+    if head in ("cli", "server", "bench", "train"):
         return "user"
     return "leaf"
 

@@ -36,6 +36,7 @@ from specserve.bench.report import (
 )
 from specserve.bench.throughput import _sync
 from specserve.outputs import DraftCounters
+from specserve.speculation.factory import bundled_head
 
 SPEC_COLUMNS = (
     Column("method", "method"),
@@ -79,6 +80,9 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         "ngram+recycling": dict(method="ngram+recycling", num_tokens=k, width=a.spec_width),
         "suffix+recycling": dict(method="suffix+recycling", num_tokens=k),
     }
+    head = getattr(a, "eagle_head", None)
+    if head or bundled_head(a.model):
+        all_methods["eagle"] = dict(method="eagle", num_tokens=k, draft_model=head)
     if a.draft_model:
         all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
                                           draft_stop_below=a.draft_stop_below)
@@ -94,6 +98,7 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     unknown = [n for n in names if n not in all_methods]
     if unknown:
         hint = " (draft-model needs --draft-model PATH)" if "draft-model" in unknown else ""
+        hint += " (eagle needs --eagle-head DIR for this model)" if "eagle" in unknown else ""
         raise ValueError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(all_methods)}{hint}")
     if "none" not in names:
         names = ["none"] + names

@@ -1,0 +1,1 @@
+"""Training what specserve drafts with (`specserve train-drafter`)."""

@@ -1,0 +1,431 @@
+"""`specserve train-drafter`: an EAGLE-style head for a target, trained on the target's own answers.
+
+Three stages, each kept in the output directory so that a stopped run resumes where it stopped:
+
+1. answers (`data/answers.jsonl`): the target's greedy answers to the prompts (self-distillation:
+   the head learns what this model says, not what ChatGPT said), generated in batches;
+2. features (`data/features-*.safetensors`): one target forward over prompt + answer, keeping the
+   final-normed hidden state of every token (fp16);
+3. training (`checkpoint.pt`, `train_log.jsonl`): row j of the head reads (f_j, t_{j+1}) and is
+   trained to predict f_{j+1} (smooth L1) and the target's choice after t_{j+1}, the argmax of its
+   LM head over f_{j+1} (cross-entropy over the head's vocabulary), at every position: on answer
+   tokens that is the token the target went on to generate, on prompt tokens what it would have
+   said (`--answer-only` keeps only the former). A second pass feeds the head its own predicted
+   features (as drafting deeper than one token does). Held-out accuracy is judged on answer tokens.
+
+The head (`model.safetensors`, `config.json`) is written at the end; `--spec eagle --draft-model OUT`
+serves it. The vocabulary it reads out is the `draft_vocab` most frequent tokens of the answers
+(FR-Spec).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model.eagle import EagleHead, HeadConfig, causal_attend, save_head
+from specserve.model.forward import ForwardItem
+from specserve.model.loader import DEFAULT_MODEL
+
+logger = logging.getLogger("specserve.train")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What `train-drafter` does. Every field is a command-line option of the same name."""
+
+    out: str
+    model: str = DEFAULT_MODEL
+    data: str = "sharegpt"  # sharegpt, spec-bench, humaneval, or a file: ShareGPT json, or jsonl with "prompt"/"turns"
+    num_prompts: int = 512
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 192
+    draft_vocab: int = 8192  # 0: the whole vocabulary
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_tokens: int = 2048
+    token_weight: float = 1.0  # features 1.0 and tokens 1.0 (EAGLE-1's 0.1 for tokens learned slower here)
+    feature_noise: float = 0.1  # uniform noise on input features, as EAGLE trains
+    own_feature_weight: float = 0.5  # the second pass, on the head's own features (0: none)
+    answer_only: bool = False  # token loss on answer tokens only (else everywhere, on the target's choice)
+    eval_fraction: float = 0.05
+    eval_every: int = 50  # steps
+    gen_batch: int = 32
+    device: str = "cpu"
+    quantization: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "epochs", "batch_tokens", "eval_every",
+                     "gen_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab: must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+        if not 0.0 <= self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction: must be in [0, 0.5), got {self.eval_fraction}")
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def load_prompts(data: str, n: int, seed: int) -> list[str]:
+    """Up to `n` first-turn prompts, shuffled with `seed`."""
+    from specserve.bench.datasets import ShareGPT, open_dataset
+
+    path = Path(data)
+    if data == "sharegpt" or (path.is_file() and path.suffix == ".json"):
+        pairs, _ = ShareGPT(path if path.is_file() else None).pairs()
+        prompts = [p.prompt for p in pairs if p.prompt.strip()]
+    elif path.is_file():
+        prompts = []
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                text = row.get("prompt") or (row.get("turns") or [""])[0]
+                if text:
+                    prompts.append(str(text))
+    else:
+        from specserve.bench.datasets import SampleSpec
+
+        prompts = [s.prompt for s in open_dataset(data).sample(SampleSpec(), None).samples]
+    random.Random(seed).shuffle(prompts)
+    return prompts[: max(n * 2, n + 64)]  # spares, for those over max_prompt_tokens
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+class DrafterTrainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.c = config
+        self.out = Path(config.out)
+        self.data = self.out / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self._llm: Any = None
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            from specserve.entrypoints.llm import LLM
+
+            self._llm = LLM(self.c.model, device=self.c.device, quantization=self.c.quantization,
+                            max_num_seqs=self.c.gen_batch, enable_prefix_caching=False, seed=self.c.seed,
+                            max_model_len=self.c.max_prompt_tokens + self.c.max_new_tokens + 1)
+        return self._llm
+
+    def run(self) -> Path:
+        self.answers()
+        self.features()
+        return self.train()
+
+    # -- 1. answers --------------------------------------------------------------------------------
+    def answers(self) -> Path:
+        from specserve.sampling_params import SamplingParams
+        from specserve.tokenizer import apply_chat_template
+
+        path = self.data / "answers.jsonl"
+        done = path.read_text().splitlines() if path.exists() else []
+        if len(done) >= self.c.num_prompts:
+            return path
+        tok = self.llm.tokenizer
+        prompts = []
+        for text in load_prompts(self.c.data, self.c.num_prompts, self.c.seed):
+            ids = apply_chat_template(tok, [{"role": "user", "content": text}]) if tok is not None else []
+            if 0 < len(ids) <= self.c.max_prompt_tokens:
+                prompts.append(ids)
+        prompts = prompts[len(done) : self.c.num_prompts]
+        params = SamplingParams(max_tokens=self.c.max_new_tokens, temperature=0.0)
+        chunk = 4 * self.c.gen_batch
+        start = time.perf_counter()
+        with path.open("a") as f:
+            for i in range(0, len(prompts), chunk):
+                logger.info("answers %d-%d of %d", len(done) + i, len(done) + i + len(prompts[i : i + chunk]),
+                            self.c.num_prompts)
+                for ids, o in zip(prompts[i : i + chunk], self.llm.generate(prompts[i : i + chunk], params)):
+                    f.write(json.dumps({"prompt": ids, "answer": o.token_ids}) + "\n")
+                f.flush()
+        self._note("answers_seconds", time.perf_counter() - start)
+        return path
+
+    # -- 2. features -------------------------------------------------------------------------------
+    SHARD = 64
+
+    def features(self) -> list[Path]:
+        from safetensors.torch import save_file
+        from tqdm import tqdm
+
+        rows = [json.loads(line) for line in (self.data / "answers.jsonl").read_text().splitlines()]
+        shards = [self.data / f"features-{i // self.SHARD:05d}.safetensors" for i in range(0, len(rows), self.SHARD)]
+        todo = [(i, s) for i, s in enumerate(shards) if not s.exists()]
+        start = time.perf_counter()
+        for i, shard in tqdm(todo, desc="features", unit="shard"):
+            part = rows[i * self.SHARD : (i + 1) * self.SHARD]
+            hidden, tokens, lengths, prompt_lengths = [], [], [], []
+            for row in part:
+                ids = row["prompt"] + row["answer"]
+                hidden.append(self._hidden(ids).to(torch.float16).cpu())
+                tokens.extend(ids)
+                lengths.append(len(ids))
+                prompt_lengths.append(len(row["prompt"]))
+            save_file({
+                "hidden": torch.cat(hidden), "tokens": torch.tensor(tokens, dtype=torch.int32),
+                "lengths": torch.tensor(lengths, dtype=torch.int32),
+                "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int32),
+            }, str(shard))
+        if todo:
+            self._note("features_seconds", time.perf_counter() - start)
+        return shards
+
+    def _hidden(self, ids: list[int]) -> torch.Tensor:
+        """The target's final-normed hidden state at every token of `ids` [n, H], from the
+        engine's own forward (the features serving will see). Writes K/V into blocks no request
+        holds (none runs now; prefix caching is off)."""
+        runner = self.llm.engine.runner
+        bs = runner.block_size
+        table = list(range(-(-len(ids) // bs)))
+        out = runner.run([ForwardItem(table, 0, ids)], all_hidden=True)
+        assert out.all_hidden is not None
+        return out.all_hidden
+
+    # -- 3. training -------------------------------------------------------------------------------
+    def train(self) -> Path:
+        from safetensors.torch import load_file
+        from tqdm import tqdm
+
+        c = self.c
+        torch.manual_seed(c.seed)
+        shards = sorted(self.data.glob("features-*.safetensors"))
+        if not shards:
+            raise ValueError(f"out: no features in {self.data}; the answers stage produced nothing")
+        parts = [load_file(str(s)) for s in shards]
+        hidden = torch.cat([p["hidden"] for p in parts])
+        tokens = torch.cat([p["tokens"] for p in parts]).long()
+        lengths = torch.cat([p["lengths"] for p in parts]).tolist()
+        prompt_lengths = torch.cat([p["prompt_lengths"] for p in parts]).tolist()
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        samples = [(s, n, p) for s, n, p in zip(starts, lengths, prompt_lengths) if n - p >= 2]
+        random.Random(c.seed).shuffle(samples)
+        n_eval = max(1, int(len(samples) * c.eval_fraction)) if c.eval_fraction > 0 and len(samples) > 4 else 0
+        evals, trains = samples[:n_eval], samples[n_eval:]
+
+        target = self.llm.engine.model
+        cfg = target.config
+        vocab_ids = self._draft_vocab(tokens, samples, cfg.vocab_size)
+        head_cfg = HeadConfig.for_target(cfg, len(vocab_ids), target=c.model)
+        head = EagleHead(head_cfg, cfg.rope_theta, cfg.rope_scaling).to(c.device)
+        head.vocab_ids.copy_(vocab_ids)
+        embed = target.embed_tokens.weight.detach().float().to(c.device)
+        lm = target.lm_head.weight
+        if lm is None:
+            with torch.inference_mode():
+                lm = target.lm_head(torch.eye(cfg.hidden_size, device=embed.device)).T
+        lm_rows = lm.detach().float()[vocab_ids.to(lm.device)].to(c.device).clone()
+        to_draft = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+        to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+        choices = None if c.answer_only else self._choices(hidden, lm)
+        data = _Data(hidden, tokens, embed, to_draft, c.device, choices)
+        held_out = _Data(hidden, tokens, embed, to_draft, c.device)  # judged on answer tokens only
+
+        batches_per_epoch = len(list(_batches(trains, c.batch_tokens, random.Random(0))))
+        total = max(1, batches_per_epoch * c.epochs)
+        opt = torch.optim.AdamW(head.parameters(), lr=c.lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, total))
+        ckpt = self.out / "checkpoint.pt"
+        step, seen = 0, 0
+        if ckpt.exists():
+            state = torch.load(str(ckpt), map_location=c.device, weights_only=False)
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            step, seen = state["step"], state["seen"]
+            logger.info("resuming at step %d of %d", step, total)
+        log = (self.out / "train_log.jsonl").open("a")
+        start = time.perf_counter()
+        bar = tqdm(total=total, initial=step, desc="train", unit="step")
+        for epoch in range(step // batches_per_epoch if batches_per_epoch else 0, c.epochs):
+            batches = list(_batches(trains, c.batch_tokens, random.Random(c.seed + epoch)))
+            for batch in batches[step - epoch * batches_per_epoch:]:
+                head.train()
+                losses = self._losses(head, lm_rows, data, batch, noise=c.feature_noise)
+                loss = losses["feature"] + c.token_weight * losses["token"]
+                if c.own_feature_weight > 0:
+                    loss = loss + c.own_feature_weight * (losses["feature2"] + c.token_weight * losses["token2"])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+                opt.step()
+                sched.step()
+                step += 1
+                seen += sum(n for _, n, _ in batch)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{losses['acc'].item():.2f}")
+                if step % c.eval_every == 0 or step == total:
+                    row = {"step": step, "tokens_seen": seen, "seconds": time.perf_counter() - start,
+                           "loss": loss.item(), **self._evaluate(head, lm_rows, held_out, evals)}
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                                "step": step, "seen": seen}, str(ckpt))
+        bar.close()
+        self._note("train_seconds", time.perf_counter() - start)
+        save_head(head, self.out, extra={"trained": {**asdict(c), "steps": step, "tokens_seen": seen,
+                                                     "train_samples": len(trains), "eval_samples": len(evals)}})
+        return self.out
+
+    def _choices(self, hidden: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+        """The target's greedy choice after every stored position: argmax of its LM head over the
+        stored feature (on answer tokens, the token it went on to generate). Kept in the data
+        directory once computed."""
+        path = self.data / "choices.pt"
+        if path.exists():
+            saved = torch.load(str(path), weights_only=True)
+            if saved.shape[0] == hidden.shape[0]:
+                return saved
+        w = lm.detach().float()
+        out = torch.empty(hidden.shape[0], dtype=torch.long)
+        with torch.inference_mode():
+            for i in range(0, hidden.shape[0], 1024):
+                out[i : i + 1024] = (hidden[i : i + 1024].to(w.device).float() @ w.T).argmax(-1).cpu()
+        torch.save(out, str(path))
+        return out
+
+    def _draft_vocab(self, tokens: torch.Tensor, samples: list[tuple[int, int, int]], vocab: int) -> torch.Tensor:
+        """The `draft_vocab` most frequent answer tokens (FR-Spec), the end-of-sequence ids among them."""
+        if self.c.draft_vocab == 0 or self.c.draft_vocab >= vocab:
+            return torch.arange(vocab)
+        counts = torch.zeros(vocab)
+        for s, n, p in samples:
+            counts += torch.bincount(tokens[s + p : s + n], minlength=vocab)[:vocab].float()
+        for e in self.llm.engine.eos_token_ids:
+            counts[e] = float("inf")
+        return counts.topk(self.c.draft_vocab).indices.sort().values
+
+    def _losses(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data", batch: list[tuple[int, int, int]],
+                noise: float = 0.0) -> dict[str, torch.Tensor]:
+        feats, embeds, positions, next_feats, labels, fmask = data.batch(batch)
+        if noise > 0:
+            feats = feats + (torch.rand_like(feats) * 2 - 1) * noise
+        out = head(feats, embeds, positions, causal_attend)
+        first = _terms(out, lm_rows, next_feats, labels, fmask)
+        # the second pass: row j reads the head's own prediction of f_j (row j - 1's output)
+        own = torch.cat((feats[:, :1], out[:, :-1]), dim=1)
+        out2 = head(own, embeds, positions, causal_attend)
+        second = _terms(out2, lm_rows, next_feats, labels, fmask)
+        return {"feature": first[0], "token": first[1], "acc": first[2], "feature2": second[0],
+                "token2": second[1], "acc2": second[2]}
+
+    @torch.no_grad()
+    def _evaluate(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data",
+                  evals: list[tuple[int, int, int]]) -> dict[str, float]:
+        """Held-out top-1 accuracy on the target's next token, from the target's features (acc1) and
+        from the head's own (acc2); `chain5`: the accepted tokens a five-token greedy chain would
+        get if each depth after the first were right with acc2 (an estimate, not a measurement)."""
+        if not evals:
+            return {}
+        head.eval()
+        hits1 = hits2 = count = 0.0
+        for batch in _batches(evals, self.c.batch_tokens, None):
+            losses = self._losses(head, lm_rows, data, batch)
+            n = float(data.last_count)
+            hits1 += losses["acc"].item() * n
+            hits2 += losses["acc2"].item() * n
+            count += n
+        a1, a2 = hits1 / max(count, 1), hits2 / max(count, 1)
+        return {"acc1": a1, "acc2": a2, "chain5": sum(a1 * a2 ** d for d in range(5))}
+
+    def _note(self, key: str, value: float) -> None:
+        path = self.out / "timings.json"
+        notes = json.loads(path.read_text()) if path.exists() else {}
+        notes[key] = notes.get(key, 0.0) + value
+        path.write_text(json.dumps(notes, indent=2) + "\n")
+
+
+def _schedule(step: int, total: int) -> float:
+    """Warm-up over the first 5% of the steps (at most 50), then cosine decay to zero at `total`."""
+    warm = max(1, min(50, total // 20))
+    return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+def _terms(out: torch.Tensor, lm_rows: torch.Tensor, next_feats: torch.Tensor, labels: torch.Tensor,
+           fmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    feature = F.smooth_l1_loss(out[fmask], next_feats[fmask])
+    keep = labels >= 0
+    logits = out[keep] @ lm_rows.T
+    token = F.cross_entropy(logits, labels[keep]) if logits.shape[0] else out.sum() * 0
+    acc = (logits.argmax(-1) == labels[keep]).float().mean() if logits.shape[0] else out.new_zeros(())
+    return feature, token, acc
+
+
+class _Data:
+    """Padded training batches from the flat feature store."""
+
+    def __init__(self, hidden: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, to_draft: torch.Tensor,
+                 device: str, choices: torch.Tensor | None = None) -> None:
+        self.hidden, self.tokens, self.embed, self.to_draft, self.device = hidden, tokens, embed, to_draft, device
+        self.choices = choices  # the target's choice after each position: labels for every row
+        self.last_count = 0
+
+    def batch(self, batch: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
+        """Rows j = 0 .. n - 2 of each sample: features f_j, embeddings of t_{j+1}, positions; targets
+        f_{j+1} (all rows) and the draft-vocabulary index of the target's choice after j + 1: with
+        `choices`, at every row; else t_{j+2} where it is an answer token (-100 elsewhere, and where
+        the choice is outside the draft vocabulary)."""
+        length = max(n for _, n, _ in batch) - 1
+        b = len(batch)
+        h = self.hidden.shape[1]
+        feats = torch.zeros(b, length, h)
+        nxt = torch.zeros(b, length, h)
+        ids = torch.zeros(b, length, dtype=torch.long)
+        labels = torch.full((b, length), -100, dtype=torch.long)
+        fmask = torch.zeros(b, length, dtype=torch.bool)
+        for i, (s, n, p) in enumerate(batch):
+            rows = n - 1
+            feats[i, :rows] = self.hidden[s : s + rows].float()
+            nxt[i, :rows] = self.hidden[s + 1 : s + n].float()
+            ids[i, :rows] = self.tokens[s + 1 : s + n]
+            fmask[i, :rows] = True
+            if self.choices is not None:
+                labels[i, :rows] = self.to_draft[self.choices[s + 1 : s + n]]
+                continue
+            # row j predicts t_{j+2}: the target's choice when j + 2 >= p
+            lab = self.to_draft[self.tokens[s + 2 : s + n]]
+            first = max(0, p - 2)
+            labels[i, first : n - 2] = lab[first:]
+        self.last_count = int((labels >= 0).sum())
+        positions = torch.arange(length).expand(b, length)
+        dev = self.device
+        return (feats.to(dev), self.embed[ids.to(dev)], positions.to(dev), nxt.to(dev), labels.to(dev),
+                fmask.to(dev))
+
+
+def _batches(samples: list[tuple[int, int, int]], batch_tokens: int,
+             rng: random.Random | None) -> Iterator[list[tuple[int, int, int]]]:
+    """Samples of similar length together, up to `batch_tokens` padded tokens a batch; the batches
+    shuffled when `rng` is given."""
+    ordered = sorted(samples, key=lambda x: x[1])
+    out: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    for s in ordered:
+        if cur and (len(cur) + 1) * s[1] > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    if rng is not None:
+        rng.shuffle(out)
+    yield from out

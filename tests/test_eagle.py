@@ -1,0 +1,187 @@
+"""The EAGLE-style learned drafter: its trainer learns (and resumes), its drafts never change greedy
+output (chunked prefill, preemption, prefix-cache hits, any grants), its sampled chains keep the
+target's exact distribution, published EAGLE-1/2 checkpoints load, and bad heads fail at load naming
+the option."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.model.eagle import EagleHead, HeadConfig, load_head, save_head
+from specserve.train.drafter import DrafterTrainer, TrainConfig
+
+from conftest import shuffle_grants, write_copy_head, write_random_head
+from test_spec_decoding import VOCAB, chi2_pvalue, exact_distribution, sample_counts
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def _text_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 30))) for _ in range(n)]
+
+
+def _train_config(target: Path, root: Path) -> TrainConfig:
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in _text_prompts(60, seed=0)))
+    return TrainConfig(out=str(root / "head"), model=str(target), data=str(data), num_prompts=48,
+                       max_prompt_tokens=64, max_new_tokens=24, epochs=6, lr=1e-2, token_weight=1.0,
+                       batch_tokens=1024, draft_vocab=100, eval_every=5, eval_fraction=0.1, gen_batch=16)
+
+
+def test_trainer_learns_and_resumes(tiny_llama: Path, tmp_path: Path) -> None:
+    """The loss falls; a second run over the same directory generates and trains nothing more; the
+    head reads out the most frequent answer tokens and serves."""
+    config = _train_config(tiny_llama, tmp_path)
+    head = DrafterTrainer(config).run()
+    log = [json.loads(line) for line in (head / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.9 * log[0]["loss"], "training must lower the loss"
+    assert {"acc1", "acc2", "chain5", "tokens_seen"} <= set(log[-1])
+    before = (head / "model.safetensors").read_bytes()
+    DrafterTrainer(config).run()
+    assert len((head / "train_log.jsonl").read_text().splitlines()) == len(log)
+    assert (head / "model.safetensors").read_bytes() == before
+    assert len((head / "data" / "answers.jsonl").read_text().splitlines()) == config.num_prompts
+    loaded = load_head(head)
+    assert loaded.config.draft_vocab_size == 100
+    answers = [json.loads(line)["answer"] for line in (head / "data" / "answers.jsonl").read_text().splitlines()]
+    counts = Counter(t for a in answers for t in a)
+    top = {t for t, _ in counts.most_common(50)}
+    assert top <= set(loaded.vocab_ids.tolist())
+    llm = LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(head), num_tokens=4))
+    assert llm.generate("abc", GREEDY, use_tqdm=False)[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def one_layer(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = tiny_model_factory("one-layer", num_hidden_layers=1, seed=5)
+    return target, write_copy_head(target, tmp_path_factory.mktemp("copy-head"))
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(one_layer: tuple[Path, Path]) -> list[list[int]]:
+    from specserve.tokenizer import apply_chat_template, load_tokenizer
+
+    tok = load_tokenizer(one_layer[0])
+    return [apply_chat_template(tok, [{"role": "user", "content": p}]) for p in _text_prompts(8, seed=5)]
+
+
+@pytest.fixture(scope="module")
+def plain(one_layer: tuple[Path, Path], chat_prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in LLM(str(one_layer[0])).generate(chat_prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("opts", [dict(max_num_batched_tokens=24), dict(num_kv_blocks=24, block_size=4), {}],
+                         ids=["chunked-prefill", "preemption", "prefix-cache"])
+def test_eagle_greedy_is_plain_decoding(
+    one_layer: tuple[Path, Path], chat_prompts: list[list[int]], plain: list[list[int]], opts: dict
+) -> None:
+    """With a head that computes what the target does, most drafts are accepted (features, tokens
+    and positions line up), and the output is plain decoding's under any grants."""
+    target, head = one_layer
+    spec = dict(method="eagle", draft_model=str(head), num_tokens=6, controller="fixed")
+    llm = LLM(str(target), speculative=spec, **opts)
+    outs = llm.generate(chat_prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain
+    totals = llm.engine.draft_totals
+    first, second = totals.accepted_per_position[:2]
+    assert first > 0.8 * totals.steps and second > 0.6 * first, "a head computing the target's outputs is accepted"
+    shuffle_grants(llm, seed=3)
+    for _ in range(2):  # the second round hits the prefix cache: the head sees no prompt features then
+        outs = llm.generate(chat_prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == plain
+    if "num_kv_blocks" in opts:
+        assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_untrained_head_with_a_vocabulary_subset_is_still_lossless(
+    one_layer: tuple[Path, Path], chat_prompts: list[list[int]], plain: list[list[int]], tmp_path: Path
+) -> None:
+    head = write_random_head(one_layer[0], tmp_path / "head", draft_vocab=100)
+    llm = LLM(str(one_layer[0]), speculative=dict(method="eagle", draft_model=str(head), num_tokens=5,
+                                                 controller="fixed"))
+    assert [o.token_ids for o in llm.generate(chat_prompts, GREEDY, use_tqdm=False)] == plain
+    assert llm.engine.draft_totals.proposed > 0
+
+
+@pytest.fixture(scope="module")
+def small_vocab_head(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    opts = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, initializer_range=0.15)
+    target = tiny_model_factory("v4-target", **opts, seed=3)
+    return target, write_random_head(target, tmp_path_factory.mktemp("v4-head"), seed=1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, ignore_eos=True)],
+                         ids=["t1", "t0.7-top-p"])
+def test_eagle_sampling_matches_exact_distribution(small_vocab_head: tuple[Path, Path], params: SamplingParams) -> None:
+    target, head = small_vocab_head
+    n = 3000
+    spec = dict(method="eagle", draft_model=str(head), num_tokens=3, controller="fixed")
+    counts, llm = sample_counts(target, spec, params, n)
+    totals = llm.engine.draft_totals
+    assert totals.proposed > 0 and 0 < totals.accepted < totals.proposed, "needs both accepts and rejections"
+    assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
+
+
+def _head(hidden: int = 64, vocab: int = 258) -> EagleHead:
+    torch.manual_seed(0)
+    return EagleHead(HeadConfig(hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+                                intermediate_size=128, vocab_size=vocab, draft_vocab_size=vocab)).eval()
+
+
+def _out(head: EagleHead) -> torch.Tensor:
+    from specserve.model.eagle import causal_attend
+
+    g = torch.Generator().manual_seed(1)
+    f, e = torch.randn(1, 5, 64, generator=g), torch.randn(1, 5, 64, generator=g)
+    with torch.no_grad():
+        return head(f, e, torch.arange(5).unsqueeze(0), causal_attend)
+
+
+def test_a_published_eagle1_checkpoint_loads_and_computes_the_same(tmp_path: Path) -> None:
+    """EAGLE-1/2 release layout: a Llama config.json, pytorch_model.bin with fc.* and layers.0.* (no
+    input norm), an embed_tokens copy the loader ignores."""
+    head = _head()
+    state = {k: v for k, v in head.state_dict().items() if k != "vocab_ids"}
+    state["embed_tokens.weight"] = torch.zeros(258, 64)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 258, "rms_norm_eps": 1e-5,
+        "num_hidden_layers": 1, "bias": True,
+    }))
+    loaded = load_head(tmp_path)
+    assert loaded.config.draft_vocab_size == 258 and not loaded.config.input_norm
+    assert torch.allclose(_out(loaded), _out(head))
+
+
+def test_saved_head_round_trips_in_fp16(tmp_path: Path) -> None:
+    head = _head()
+    save_head(head, tmp_path)
+    assert torch.allclose(_out(load_head(tmp_path)), _out(head), atol=2e-2)
+
+
+def test_bad_heads_fail_at_load_naming_the_option(tiny_llama: Path, tiny_model_factory, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="^draft_model:.*needs a draft head"):
+        LLM(str(tiny_llama), speculative="eagle")
+    narrow = tiny_model_factory("h32", hidden_size=32, intermediate_size=64)
+    wrong = write_random_head(narrow, tmp_path / "narrow")
+    with pytest.raises(ValueError, match="^draft_model:.*hidden size is 32 but the target's is 64"):
+        LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(wrong)))
+    eagle3 = tmp_path / "eagle3"
+    eagle3.mkdir()
+    (eagle3 / "config.json").write_text("{}")
+    torch.save({"midlayer.self_attn.q_proj.weight": torch.zeros(1)}, eagle3 / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="^draft_model:.*EAGLE-3"):
+        LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(eagle3)))
+    with pytest.raises(ValueError, match="^draft_model:.*not a draft head directory"):
+        LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(tmp_path / "nowhere")))
