@@ -18,6 +18,7 @@ names (their `config.json` is a Llama config, their layer has no input norm); EA
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.model.llama import apply_rope, rope_inv_freq
+from specserve.model.llama import Linear, apply_rope, rope_inv_freq
 
 HEAD_FORMAT = "specserve-eagle-1"
 
@@ -86,19 +87,19 @@ class HeadConfig:
 class _Attention(nn.Module):
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
 
 
 class _MLP(nn.Module):
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -131,8 +132,14 @@ class EagleHead(nn.Module):
 
         self.config = config
         c = config
-        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)
+        self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)
         self.layers = nn.ModuleList([_Layer(c)])
+        for m in self.modules():  # nn.Linear's initialisation (the projections' kernels come later, for serving)
+            if isinstance(m, Linear):
+                nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
+                if m.bias is not None:
+                    bound = 1 / math.sqrt(m.weight.shape[1])
+                    nn.init.uniform_(m.bias, -bound, bound)
         self.register_buffer("vocab_ids", torch.arange(c.draft_vocab_size), persistent=True)
         inv = rope_inv_freq(c.head_dim, rope_theta, rope_scaling or RopeScaling())
         self.register_buffer("inv_freq", inv, persistent=False)

@@ -102,14 +102,14 @@ class EagleDrafter(Drafter):
     wants_hidden = True
 
     def __init__(
-        self, head: EagleHead, embed: torch.Tensor, lm_rows: torch.Tensor, generator: torch.Generator,
+        self, head: EagleHead, embed: torch.Tensor, readout: torch.nn.Module, generator: torch.Generator,
         top_k: int = 4, max_depth: int = 8,
     ) -> None:
-        """embed: the target's embedding [vocab, H]; lm_rows: the rows of its LM head the head reads
-        out [draft_vocab, H], in the order of `head.vocab_ids`."""
+        """embed: the target's embedding [vocab, H]; readout: [.., H] -> [.., draft_vocab] logits, the
+        rows of the target's LM head the head reads out, in the order of `head.vocab_ids`."""
         self.head = head
         self.embed = embed
-        self.lm_rows = lm_rows
+        self.readout = readout
         self.vocab_ids = head.vocab_ids.to(embed.device)
         self.vocab_size = embed.shape[0]
         self.generator = generator
@@ -280,7 +280,7 @@ class EagleDrafter(Drafter):
 
     def _children(self, owners: list[_Work], parents: list[tuple[_Work, int]], outs: torch.Tensor) -> None:
         """Add children under each (request, parent node) from the head outputs there."""
-        logits = outs @ self.lm_rows.T  # [F, draft_vocab]
+        logits = self.readout(outs)  # [F, draft_vocab]
         logp = logits.float().log_softmax(dim=-1)
         k = min(self.top_k, logp.shape[-1])
         top_lp, top_i = logp.topk(k, dim=-1)
