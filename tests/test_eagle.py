@@ -119,11 +119,11 @@ def small_vocab_head(tiny_model_factory, tmp_path_factory: pytest.TempPathFactor
     return target, write_random_head(target, tmp_path_factory.mktemp("v4-head"), seed=1)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
-                                    SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, ignore_eos=True)],
-                         ids=["t1", "t0.7-top-p"])
-def test_eagle_sampling_matches_exact_distribution(small_vocab_head: tuple[Path, Path], params: SamplingParams) -> None:
+def test_eagle_sampling_matches_exact_distribution(small_vocab_head: tuple[Path, Path]) -> None:
+    """Chains drawn from the head's processed distribution (temperature and top-p here), verified
+    with that q: the first three tokens follow the target's exact distribution."""
     target, head = small_vocab_head
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, ignore_eos=True)
     n = 3000
     spec = dict(method="eagle", draft_model=str(head), num_tokens=3, controller="fixed")
     counts, llm = sample_counts(target, spec, params, n)
@@ -185,3 +185,29 @@ def test_bad_heads_fail_at_load_naming_the_option(tiny_llama: Path, tiny_model_f
         LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(eagle3)))
     with pytest.raises(ValueError, match="^draft_model:.*not a draft head directory"):
         LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(tmp_path / "nowhere")))
+
+
+def test_a_greedy_tree_keeps_the_budget_most_probable_paths() -> None:
+    """EAGLE-2's selection: of the nodes drafted, the `budget` with the highest cumulative draft
+    probability, parents before children, each scored with its probability given its parent."""
+    import math
+
+    from specserve.sampling_params import SamplingParams as SP
+    from specserve.speculation.drafter import DraftRequest, RequestView
+    from specserve.speculation.drafters.eagle import EagleDrafter, _Node, _Work
+
+    probs = {  # node: (parent, q given parent)
+        0: (-1, 0.6), 1: (-1, 0.3), 2: (-1, 0.1), 3: (0, 0.9), 4: (0, 0.1), 5: (1, 0.5), 6: (3, 0.8),
+    }
+    nodes: list[_Node] = []
+    for i, (parent, q) in probs.items():
+        base = 0.0 if parent < 0 else nodes[parent].cum
+        depth = 1 if parent < 0 else nodes[parent].depth + 1
+        nodes.append(_Node(100 + i, parent, depth, base + math.log(q), q))
+    view = RequestView("r", (1, 2), (), SP(temperature=0))
+    work = _Work(DraftRequest(view, budget=4), side=None, root_out=None, greedy=True, nodes=nodes)  # type: ignore[arg-type]
+    tree = EagleDrafter._tree(None, work)  # type: ignore[arg-type]
+    # cumulative: 0: .6, 3: .54, 6: .432, 1: .3, 5: .15, ... -> the top four
+    assert tree.tokens == (100, 101, 103, 106)
+    assert tree.parents == (-1, -1, 0, 2)
+    assert tree.scores == (0.6, 0.3, 0.9, 0.8)

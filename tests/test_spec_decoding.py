@@ -343,7 +343,7 @@ SMOLLM_GREEDY = SamplingParams(max_tokens=40, temperature=0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "suffix", "recycling", "layer-skip", "draft-model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "recycling", "layer-skip", "draft-model", "eagle"])
 def test_bundled_model_greedy_equivalence_every_drafter(
     smollm_prompts: list[list[int]], smollm_plain: list[list[int]], smollm_draft_dir: Path, method: str
 ) -> None:
