@@ -196,8 +196,8 @@ def test_a_verification_that_breaks_ends_only_that_request(tiny_llama: Path) -> 
     execute = engine.runner.execute
     broke = []
 
-    def corrupting(batch, drafts=None):
-        out = execute(batch, drafts)
+    def corrupting(batch, drafts=None, **options):
+        out = execute(batch, drafts, **options)
         logits, rows = out.logits.clone(), out.rows  # an inference tensor: edit a copy
         for i, item in enumerate(batch):
             if item.seq.prompt_token_ids == attacker_prompt and drafts and i in drafts:
