@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.model.llama import Linear, apply_rope, rope_inv_freq
+from specserve.model.llama import Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 
 HEAD_FORMAT = "specserve-eagle-1"
 
@@ -105,23 +105,13 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
 class _Layer(nn.Module):
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
         if c.input_norm:
-            self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = _Attention(c)
-        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
 
@@ -166,6 +156,17 @@ class EagleHead(nn.Module):
         q, k = apply_rope(q, k, cos.unsqueeze(-2), sin.unsqueeze(-2))
         x = x + attn.o_proj(attend(q, k, v).reshape(*lead, hq * d))
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def lm_head_weight(model: LlamaForCausalLM) -> torch.Tensor:
+    """The target's LM head as a dense [vocab, hidden] matrix: its weight, or, where its kernel
+    dropped the dense weight, read back from the kernel once."""
+    weight = model.lm_head.weight
+    if weight is not None:
+        return weight.detach()
+    eye = torch.eye(model.config.hidden_size, device=model.embed_tokens.weight.device)
+    with torch.inference_mode():
+        return model.lm_head(eye).T.contiguous()
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:

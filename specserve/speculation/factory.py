@@ -120,7 +120,7 @@ def _build_one(
 
 
 def _eagle(spec: SpeculativeConfig, target: ModelHandle, gen: torch.Generator) -> Drafter:
-    from specserve.model.eagle import load_head
+    from specserve.model.eagle import lm_head_weight, load_head
     from specserve.model.llama import Linear
     from specserve.model.quant import prepare_linears
     from specserve.model.tuning import KernelTuner
@@ -137,11 +137,7 @@ def _eagle(spec: SpeculativeConfig, target: ModelHandle, gen: torch.Generator) -
     head.config.check_fits(cfg)
     embed = model.embed_tokens.weight.detach()
     head = head.to(device=embed.device, dtype=torch.float32)
-    lm = model.lm_head.weight
-    if lm is None:  # the LM head's kernel dropped its dense weights: read them back once
-        eye = torch.eye(cfg.hidden_size, device=embed.device)
-        with torch.inference_mode():
-            lm = model.lm_head(eye).T
+    lm = lm_head_weight(model)
     if int(head.vocab_ids.max()) >= cfg.vocab_size:
         raise ValueError("draft_model: the head's vocabulary ids exceed the target's vocabulary")
     readout = Linear(cfg.hidden_size, head.config.draft_vocab_size)

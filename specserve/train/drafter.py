@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from specserve.model.eagle import EagleHead, HeadConfig, causal_attend, save_head
+from specserve.model.eagle import EagleHead, HeadConfig, causal_attend, lm_head_weight, save_head
 from specserve.model.forward import ForwardItem
 from specserve.model.loader import DEFAULT_MODEL
 
@@ -229,10 +229,7 @@ class DrafterTrainer:
         head = EagleHead(head_cfg, cfg.rope_theta, cfg.rope_scaling).to(c.device)
         head.vocab_ids.copy_(vocab_ids)
         embed = target.embed_tokens.weight.detach().float().to(c.device)
-        lm = target.lm_head.weight
-        if lm is None:
-            with torch.inference_mode():
-                lm = target.lm_head(torch.eye(cfg.hidden_size, device=embed.device)).T
+        lm = lm_head_weight(target)
         lm_rows = lm.detach().float()[vocab_ids.to(lm.device)].to(c.device).clone()
         to_draft = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
         to_draft[vocab_ids] = torch.arange(len(vocab_ids))

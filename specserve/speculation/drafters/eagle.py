@@ -38,8 +38,12 @@ class _Side:
     first: int
     length: int = 0
     pend_start: int = 0
-    pend: torch.Tensor | None = None
+    pend: list[torch.Tensor] = field(default_factory=list)  # chunks as they came; joined once, when fed
     last_out: torch.Tensor | None = None  # the head's output at its last row (predicts the next feature)
+
+    @property
+    def pend_end(self) -> int:
+        return self.pend_start + sum(t.shape[0] for t in self.pend)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
@@ -73,7 +77,7 @@ class _Node:
 class _Work:
     request: DraftRequest
     side: _Side
-    root_out: torch.Tensor
+    root_out: torch.Tensor | None  # the head output predicting the root's feature (set by the catch-up)
     greedy: bool  # a top-k tree (greedy and seeded requests), else a sampled chain
     nodes: list[_Node] = field(default_factory=list)
     hk: list[torch.Tensor] = field(default_factory=list)  # expanded nodes' K/V [KVH, 1, D]
@@ -131,10 +135,13 @@ class EagleDrafter(Drafter):
             side.first, side.length, side.last_out = start, 0, None
         elif start < side.first + side.length:  # recomputed (preemption): its rows are fed again
             side.length, side.last_out = start - side.first, None
-        if side.pend is None or start > side.pend_start + side.pend.shape[0] or start < side.pend_start:
-            side.pend_start, side.pend = start, hidden
-        else:
-            side.pend = torch.cat((side.pend[: start - side.pend_start], hidden))
+        end = side.pend_end
+        if not side.pend or start > end or start < side.pend_start:  # a gap, or recomputed from earlier
+            side.pend_start, side.pend = start, [hidden]
+        elif start == end:  # the usual case: appended, not copied (a request may not draft for long)
+            side.pend.append(hidden)
+        else:  # its tail recomputed
+            side.pend = [torch.cat(side.pend)[: start - side.pend_start], hidden]
 
     def finish(self, request_id: str, view: RequestView) -> None:
         self._sides.pop(request_id, None)
@@ -163,20 +170,18 @@ class EagleDrafter(Drafter):
             if side is None or last < 0:
                 continue
             pos = side.first + side.length
-            if side.pend is not None and side.pend_start > pos:  # features missing in between: restart there
+            if side.pend and side.pend_start > pos:  # features missing in between: restart there
                 side.first, side.length, side.last_out, pos = side.pend_start, 0, None, side.pend_start
-            end = side.pend_start + (0 if side.pend is None else side.pend.shape[0])
-            if pos <= last and end <= last:  # the latest features have not arrived
+            if pos <= last and side.pend_end <= last:  # the latest features have not arrived
                 continue
             if pos <= last:
-                assert side.pend is not None
-                feats.append(side.pend[pos - side.pend_start : last + 1 - side.pend_start])
+                feats.append(torch.cat(side.pend)[pos - side.pend_start : last + 1 - side.pend_start])
                 tokens.extend(ids[pos + 1 : last + 2])
                 positions.extend(range(pos, last + 1))
                 segs.append((rid, side, last + 1 - pos))
             elif side.last_out is None:
                 continue
-            side.pend = None
+            side.pend = []
             work[rid] = _Work(r, side, side.last_out, self._greedy(r))  # root_out set below when fed
         if segs:
             dev = self.embed.device
