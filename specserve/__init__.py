@@ -7,7 +7,7 @@ apply_isa_cap()  # before torch starts oneDNN: a CPU advertising AMX it cannot r
 from specserve.entrypoints.llm import LLM  # noqa: E402
 from specserve.errors import InvalidRequestError  # noqa: E402
 from specserve.outputs import RequestOutput  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "InvalidRequestError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "InvalidRequestError"]
 __version__ = "0.1.0"

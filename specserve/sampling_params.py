@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.errors import InvalidRequestError
 
@@ -12,6 +14,81 @@ MAX_LOGPROBS = 20
 # subnormal or to 0), and one above its largest overflows to infinity.
 FLOAT32_TINY = 1.1754943508222875e-38
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output: to a JSON schema (`json`), any JSON object (`json_object`), a regular
+    expression, one of several strings (`choice`), or a context-free grammar (`grammar`, Lark or
+    GBNF). Exactly one is given. vLLM's `structured_outputs` fields, with the same names.
+
+    `json` may be a dict or its JSON text; it is kept as text, properties in the order given (the
+    output follows that order). JSON may hold a space or a line break and up to 20 characters of
+    indentation between tokens (`whitespace_pattern`, a regex, sets another rule);
+    `disable_any_whitespace` allows none (then `", "` and `": "` separate). `field` names where the
+    request put the constraint, for errors (set by the server when it came as `response_format`).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    field: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        base = self.field or "structured_outputs"
+        if len(given) != 1:
+            raise InvalidRequestError(
+                base, f"give exactly one of {', '.join(STRUCTURED_KINDS)}; got {', '.join(given) or 'none'}"
+            )
+        kind = given[0]
+        if not self.field:
+            object.__setattr__(self, "field", f"{base}.{kind}")
+        if kind == "json":
+            object.__setattr__(self, "json", _schema_text(self.json, self.field))
+        elif kind == "choice":
+            choices = (self.choice,) if isinstance(self.choice, str) else self.choice
+            if not isinstance(choices, (list, tuple)) or not choices or any(
+                not isinstance(c, str) or not c for c in choices
+            ):
+                raise InvalidRequestError(self.field, "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(choices))
+        elif kind in ("regex", "grammar") and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
+            raise InvalidRequestError(self.field, "must be a non-empty string")
+        if kind == "json_object" and self.json_object is not True:
+            raise InvalidRequestError(self.field, "must be true or left out")
+        json_kind = kind in ("json", "json_object")
+        if self.whitespace_pattern is not None and (
+            not json_kind or self.disable_any_whitespace or not isinstance(self.whitespace_pattern, str)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.whitespace_pattern",
+                "is a regex string, for json or json_object without disable_any_whitespace",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+def _schema_text(schema: Any, name: str) -> str:
+    """A JSON schema as JSON text, checked to be a JSON object (the schema's meaning is checked
+    when it is compiled)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise InvalidRequestError(name, f"is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(name, f"must be a JSON schema (a JSON object), got {type(schema).__name__}")
+    return json.dumps(schema, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -39,6 +116,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a bare string or any sequence for the tuple fields.
@@ -85,6 +163,8 @@ class SamplingParams:
             raise bad("stop", "every stop string must be a non-empty string")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ from specserve.speculation.drafter import DraftRequest, RequestView
 from specserve.speculation.speculator import Decode, SampleItem, SpeculationStats, Speculator
 from specserve.speculation.tree import DraftTree
 from specserve.speculation.verifier import Verdict
+from specserve.structured import GrammarCompiler, TokenGrammar
 from specserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("specserve.engine")
@@ -113,6 +114,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
     # -- public API ------------------------------------------------------
     def add_request(
@@ -139,6 +141,7 @@ class LLMEngine:
                 f"prompt + max_tokens = {max_total} tokens need more KV blocks than the cache holds "
                 f"({self.blocks.num_blocks} x {self.blocks.block_size} tokens)",
             )
+        grammar = self._grammar(params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -151,6 +154,7 @@ class LLMEngine:
             max_total_len=max_total,
             generator=generator,
             prompt=text,
+            grammar=grammar,
         )
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -241,7 +245,7 @@ class LLMEngine:
         """The batch items with room reserved for drafts, as their drafters may see them."""
         return [
             Decode(i, DraftRequest(_view(item.seq), item.draft_budget, tuple(item.seq.block_table),
-                                   item.seq.num_computed_tokens, item.seq.generator))
+                                   item.seq.num_computed_tokens, item.seq.generator), item.seq.grammar)
             for i, item in enumerate(batch) if item.draft_budget > 0
         ]
 
@@ -302,6 +306,26 @@ class LLMEngine:
         self.check_token_ids(ids)
         return None, ids
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this model's tokenizer (built when first asked)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_outputs", "this model has no tokenizer to constrain")
+            self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    @grammar_compiler.setter
+    def grammar_compiler(self, compiler: GrammarCompiler) -> None:
+        self._grammars = compiler
+
+    def _grammar(self, params: SamplingParams) -> TokenGrammar | None:
+        """The request's structured-output grammar at its start; InvalidRequestError naming the field
+        when the schema, regex or grammar is not one."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_compiler.compile(params.structured_outputs)
+
     def _eos_for(self, params: SamplingParams) -> frozenset[int]:
         stops = frozenset(params.stop_token_ids)
         return stops if params.ignore_eos else stops | self.eos_token_ids
@@ -314,6 +338,8 @@ class LLMEngine:
             seq.first_token_time = now
         reason = None
         for token, logprob in zip(verdict.tokens, verdict.logprobs):
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                raise RuntimeError(f"token {token} is not allowed by the request's grammar")
             seq.output_token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -378,6 +404,7 @@ class LLMEngine:
         seq = req.seq
         if token in req.eos_ids:
             return "stop"
+        finished_grammar = seq.grammar is not None and seq.grammar.done
         if req.detok is not None:
             before = len(req.text)
             req.text += req.detok.add([token])
@@ -389,6 +416,8 @@ class LLMEngine:
                     idx, s = min(hits)
                     req.text = req.text[: idx + (len(s) if seq.params.include_stop_str_in_output else 0)]
                     return "stop"
+        if finished_grammar:  # the constrained output is complete: only the end of sequence may follow
+            return "stop"
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_len:
             return "length"
         return None

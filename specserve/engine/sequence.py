@@ -9,6 +9,7 @@ import torch
 
 from specserve.outputs import DraftCounters, TokenLogprob
 from specserve.sampling_params import SamplingParams
+from specserve.structured import TokenGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -26,6 +27,7 @@ class Sequence:
     max_total_len: int  # prompt + max_tokens, capped by the model's context
     generator: torch.Generator | None = None
     prompt: str | None = None
+    grammar: TokenGrammar | None = None  # structured outputs: where the output is in its grammar
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache

@@ -18,6 +18,7 @@ import torch
 
 from specserve.outputs import TokenLogprob
 from specserve.sampling_params import SamplingParams
+from specserve.structured import TokenGrammar, allow_all, apply_bitmask
 
 
 class SamplingRow(Protocol):
@@ -31,6 +32,8 @@ class SamplingRow(Protocol):
     def prompt_token_ids(self) -> "list[int] | tuple[int, ...]": ...
     @property
     def output_token_ids(self) -> "list[int] | tuple[int, ...]": ...
+    @property
+    def grammar(self) -> TokenGrammar | None: ...  # where the request is in its structured-output grammar
 
 
 _MASK64 = (1 << 64) - 1
@@ -177,6 +180,7 @@ class Sampler:
             torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         )
         params = [s.params for s in seqs]
+        logits = constrain(logits, seqs)
         processed = self.processed_logits(
             logits, params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
         )
@@ -213,6 +217,19 @@ class Sampler:
         if raw is None:
             return [None] * len(seqs)
         return token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+
+
+def constrain(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logits with the tokens its request's grammar forbids next set to -inf (the rows
+    of requests without one as they are)."""
+    grammars = [s.grammar for s in seqs if s.grammar is not None]
+    if not grammars:
+        return logits
+    bitmask = allow_all(len(seqs), max(g.mask_size for g in grammars))
+    for row, s in enumerate(seqs):
+        if s.grammar is not None:
+            s.grammar.fill(bitmask, row)
+    return apply_bitmask(logits, bitmask)
 
 
 def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int | None]) -> list[TokenLogprob | None]:

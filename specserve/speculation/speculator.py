@@ -11,8 +11,11 @@ and finish(request_id, view) when a request leaves.
 `propose` asks the controller twice. Before drafting, from each request's measured acceptance
 (and, with several drafters, for the drafter that pays best for it), how many nodes are worth
 drafting at all, since drafting costs time of its own; after drafting, from the trees actually
-proposed, which nodes are worth verifying. Drafting is optional: a drafter that fails costs its
-drafts, never a request; after MAX_FAILURES drafter failures in a row speculation is switched off.
+proposed, which nodes are worth verifying. A request with a structured-output grammar has its
+trees pruned of what the grammar forbids before the second question, and the text its grammar
+forces next appended as draft nodes after it (`speculation.grammar`). Drafting is optional: a
+drafter that fails costs its drafts, never a request; after MAX_FAILURES drafter failures in a
+row speculation is switched off.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import torch
 
 from specserve.speculation.controller import AcceptanceModel, Candidate, Controller, StepShape
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
+from specserve.speculation.grammar import extend_forced, prune
 from specserve.speculation.sampler import Sampler, SamplingRow
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 from specserve.speculation.verifier import Verdict, Verifier, failed
+from specserve.structured import TokenGrammar
 
 logger = logging.getLogger("specserve.speculation")
 
@@ -40,6 +45,7 @@ class Decode:
 
     index: int
     request: DraftRequest
+    grammar: TokenGrammar | None = None  # the request's structured-output position, if it has one
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class SpeculationStats:
     cost_abs_error_seconds: float = 0.0
     cost_steps: int = 0
     drafted_with: tuple[tuple[str, int], ...] = ()  # (drafter, request-steps verified with its tree)
+    forced_drafted: int = 0  # draft nodes a grammar forced (structured outputs)
+    forced_accepted: int = 0
 
     @property
     def cost_relative_error(self) -> float:
@@ -82,6 +90,8 @@ class _Totals:
     cost_actual_seconds: float = 0.0
     cost_abs_error_seconds: float = 0.0
     cost_steps: int = 0
+    forced_drafted: int = 0
+    forced_accepted: int = 0
 
 
 @dataclass
@@ -107,6 +117,7 @@ class _Step:
     top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
+    forced: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (first forced node, count)
 
 
 class Speculator:
@@ -169,7 +180,9 @@ class Speculator:
             names = [self._choose(d.request) for d in decodes]
             grants = self._grant(decodes, names, base, sampling_rows)
             proposed = self._run_drafters(decodes, names, grants)
-            return self._select(decodes, names, proposed, grants, base, sampling_rows)
+            proposed = self._grammatical(decodes, proposed)
+            drafts = self._select(decodes, names, proposed, grants, base, sampling_rows)
+            return self._force(decodes, drafts)
         except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
             logger.exception("speculation failed while proposing; the step decodes plainly")
             self._step = _Step(shape=base, views=self._step.views)
@@ -265,6 +278,44 @@ class Speculator:
             names[i], out[i] = max(options, key=lambda o: sum(self.acceptance.node_values(o[0], rid, o[1])))
         return out
 
+    @staticmethod
+    def _grammatical(decodes: list[Decode], proposed: dict[int, DraftTree]) -> dict[int, DraftTree]:
+        """The proposed trees without the nodes their requests' grammars forbid."""
+        out = {}
+        for i, tree in proposed.items():
+            grammar = decodes[i].grammar
+            tree = tree if grammar is None else prune(tree, grammar)
+            if len(tree):
+                out[i] = tree
+        return out
+
+    def _force(self, decodes: list[Decode], drafts: dict[int, DraftTree]) -> dict[int, DraftTree]:
+        """Each constrained request's tree with what its grammar forces next appended, within the room
+        the scheduler reserved. A forced node is the grammar's spelling of text the output must
+        contain: verified like any draft, accepted unless the model would spell it otherwise."""
+        step = self._step
+        added = drafted = attended = 0
+        for d in decodes:
+            if d.grammar is None:
+                continue
+            tree = drafts.get(d.index)
+            old = tree if tree is not None else EMPTY_TREE
+            new, count = extend_forced(old, d.grammar, d.request.budget)
+            if count == 0:
+                continue
+            drafts[d.index] = new
+            step.forced[d.index] = (len(old), count)
+            context = d.request.num_computed + 1
+            added += count
+            drafted += tree is None
+            attended += len(new) * (context + len(new)) - len(old) * (context + len(old))
+        if added and step.shape is not None:
+            s = step.shape
+            step.shape = StepShape(s.tokens + added, s.drafted + drafted, s.attended + attended)
+            step.predicted_seconds = self.controller.predict(step.shape)
+            step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
+        return drafts
+
     def _select(
         self, decodes: list[Decode], names: list[str], proposed: dict[int, DraftTree], grants: list[int],
         base: StepShape, rows: int,
@@ -325,7 +376,7 @@ class Speculator:
                 verdicts[it.index] = failed(f"internal error: {type(e).__name__}: {e}")
         self._step.verdicts = verdicts
         self._step.plain_ids = {it.index: it.row.request_id for it in plain}
-        self._keep_top_ids(items, drafts, logits)
+        self._keep_top_ids(items, logits)
         return verdicts
 
     @property
@@ -372,7 +423,7 @@ class Speculator:
             )
         )
 
-    def _keep_top_ids(self, items: list[SampleItem], drafts: dict[int, DraftTree], logits: torch.Tensor) -> None:
+    def _keep_top_ids(self, items: list[SampleItem], logits: torch.Tensor) -> None:
         """For drafters that learn from the target: its top tokens at every verified row."""
         self._step.learners = learners = self._learning()
         k = max((self.drafters[name].target_topk for name in learners), default=0)
@@ -382,7 +433,7 @@ class Speculator:
         for it in items:
             start, count = it.rows
             self._step.top_ids[it.index] = top[start : start + count]
-            if it.index not in drafts:
+            if it.index not in self._step.drafted:  # no drafter's tree (maybe a grammar's forced nodes)
                 row = it.row
                 view = self._step.views.get(it.index)
                 if view is None:  # not a decode offered to drafters (a prefill's first token)
@@ -418,9 +469,10 @@ class Speculator:
             if verdict is None or verdict.error is not None:
                 continue
             rid = d.view.request_id
-            a.observe(d.name, rid, d.tree, verdict.accepted)
+            mine = [n for n in verdict.accepted if n < len(d.tree)]  # forced nodes follow the drafter's
+            a.observe(d.name, rid, d.tree, mine)
             predicted += d.predicted
-            accepted += len(verdict.accepted)
+            accepted += len(mine)
             self._since_draft[rid] = 0
             self._drafted_with[d.name] += 1
             self._used_at[d.name] = self._step_no
@@ -431,11 +483,21 @@ class Speculator:
                 self._tell_drafters(view, None, EMPTY_TREE, step.top_ids.get(index), step.learners)
         for index, rid in step.plain_ids.items():
             self._since_draft[rid] = self._since_draft.get(rid, 0) + 1
+        forced_accepted = 0
+        for index, (first, count) in step.forced.items():
+            verdict = step.verdicts.get(index)
+            if verdict is not None and verdict.error is None:
+                forced_accepted += sum(1 for n in verdict.accepted if n >= first)
+            view = step.views.get(index)
+            if index not in step.drafted and view is not None:  # forced nodes only: no drafter's
+                self._since_draft[view.request_id] = self._since_draft.get(view.request_id, 0) + 1
         self._grants.update(step.grants)
         t = self._totals
         t.steps += 1
         t.predicted_accepted += predicted
         t.accepted += accepted
+        t.forced_drafted += sum(count for _, count in step.forced.values())
+        t.forced_accepted += forced_accepted
         if step.shape is not None and step.predicted_seconds is not None:
             forward_seconds = max(seconds - step.propose_seconds, 1e-6)
             self.controller.learn(step.shape, forward_seconds)

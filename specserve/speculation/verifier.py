@@ -20,6 +20,10 @@ what plain decoding draws there, and a child is accepted when it is that token. 
 then the same token for token with any drafts or none (a draw from p at each position, so still
 the target's distribution); a draft is accepted with chance p(x), as for a point-mass proposal.
 
+With a structured-output grammar, the target's logits at the root and after every node are first
+masked to the tokens the grammar allows after that node's path, as plain constrained decoding masks
+them; drafts are then judged against that constrained target.
+
 The target distribution at each node is the fully processed one (penalties on
 the output including the path to that node, temperature, top-k, top-p, min-p),
 the same processing plain decoding uses.
@@ -32,8 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from specserve.outputs import TokenLogprob
+from specserve.speculation.grammar import masks
 from specserve.speculation.sampler import Sampler, SamplingRow, position_noise, row_errors, token_logprobs
 from specserve.speculation.tree import DraftTree
+from specserve.structured import apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,9 @@ class Verifier:
         paths = self._paths(tree)
         done = list(seq.output_token_ids)
         outputs = [done] + [done + path for path in paths]
+        raw = logits
+        if seq.grammar is not None:
+            logits = apply_bitmask(logits, masks(tree, seq.grammar))
         processed = Sampler.processed_logits(
             logits, [params] * (n + 1), [list(seq.prompt_token_ids)] * (n + 1), outputs
         )
@@ -86,8 +95,8 @@ class Verifier:
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
         if params.logprobs is not None:
             rows = [0] + [a + 1 for a in accepted]  # the row each emitted token was drawn at
-            raw = torch.log_softmax(logits[rows], dim=-1)
-            logprobs = token_logprobs(raw, tokens, [params.logprobs] * len(tokens))
+            raw_logprobs = torch.log_softmax(raw[rows], dim=-1)
+            logprobs = token_logprobs(raw_logprobs, tokens, [params.logprobs] * len(tokens))
         return Verdict(accepted, tokens, logprobs)
 
     @staticmethod
