@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -302,6 +303,30 @@ BAD_INPUTS = [
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/v1/no-such-endpoint", {}, 404, None),
+    # structured outputs: a constraint that does not compile is a 400 naming the field it came in
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(ab"}}, 400,
+     "structured_outputs.regex"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"grammar": "start: nowhere"}}, 400,
+     "structured_outputs.grammar"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": []}}, 400,
+     "structured_outputs.choice"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "strict": True,
+                                  "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}},
+     400, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"},
+                         "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs"),
 ]
 
 
@@ -317,6 +342,39 @@ def test_bad_input_gets_openai_error(server: Server, path: str, body: Any, statu
     if param is not None:
         assert param in err["message"]
     assert server.http.get("/health").status_code == 200
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_outputs_over_http(server: Server, spec_server: Server) -> None:
+    """response_format (json_schema, strict) on chat and completions, and structured_outputs
+    (regex, choice) through the openai client: every answer follows its constraint, and the
+    speculating server's greedy answers are the plain server's, streamed or not."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    answers = {}
+    for name, srv in (("plain", server), ("spec", spec_server)):
+        chat = srv.openai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who?"}],
+                                                  temperature=0, max_tokens=200, response_format=fmt)
+        jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+        assert chat.choices[0].finish_reason == "stop"
+        done = srv.openai.completions.create(model=MODEL, prompt="A person:", temperature=0, max_tokens=200,
+                                             extra_body={"response_format": {"type": "json_object"},
+                                                         "structured_outputs": None})
+        json.loads(done.choices[0].text)
+        regex = srv.openai.completions.create(model=MODEL, prompt="Code:", temperature=0, max_tokens=40,
+                                              extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{3}"}})
+        assert re.fullmatch("[A-Z]{3}-[0-9]{3}", regex.choices[0].text)
+        stream = srv.openai.completions.create(model=MODEL, prompt="Pick:", temperature=0, max_tokens=20, stream=True,
+                                               extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+        picked = "".join(c.choices[0].text for c in stream if c.choices)
+        assert picked in ("red", "green")
+        answers[name] = (chat.choices[0].message.content, done.choices[0].text, regex.choices[0].text, picked)
+    assert answers["spec"] == answers["plain"]
 
 
 def test_bad_input_through_openai_client(server: Server) -> None:

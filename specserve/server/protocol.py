@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from specserve.errors import InvalidRequestError
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -25,6 +25,94 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: StrictStr = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+
+    type: StrictStr = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, field="response_format")
+        if self.type != "json_schema":
+            raise InvalidRequestError(
+                "response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {self.type!r}"
+            )
+        if self.json_schema is None:
+            raise InvalidRequestError("response_format.json_schema", "is required when type is 'json_schema'")
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        if self.json_schema.strict:
+            problem = strict_schema_problem(schema)
+            if problem is not None:
+                raise InvalidRequestError("response_format.json_schema.schema", f"with strict: true, {problem}")
+        return StructuredOutputsParams(json=schema, field="response_format.json_schema.schema")  # type: ignore[arg-type]
+
+
+def strict_schema_problem(schema: Any, where: str = "the schema") -> str | None:
+    """What OpenAI's strict mode refuses in a schema, or None: every object must list all its
+    properties as required and set additionalProperties to false."""
+    if isinstance(schema, list):
+        return next((p for i, s in enumerate(schema) if (p := strict_schema_problem(s, f"{where}[{i}]"))), None)
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("type") == "object" or "properties" in schema:
+        if schema.get("additionalProperties") is not False:
+            return f"{where} must set additionalProperties to false"
+        missing = [k for k in schema.get("properties", {}) if k not in schema.get("required", [])]
+        if missing:
+            return f"{where} must list every property as required (missing {', '.join(missing)})"
+    for key, sub in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(sub, dict):
+            for name, s in sub.items():
+                if (p := strict_schema_problem(s, f"{where}.{key}.{name}")) is not None:
+                    return p
+        elif key in ("items", "anyOf", "allOf", "oneOf", "prefixItems"):
+            if (p := strict_schema_problem(sub, f"{where}.{key}")) is not None:
+                return p
+    return None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` request field (one of json, regex, choice, grammar, json_object)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        if self.structural_tag is not None:
+            raise InvalidRequestError("structured_outputs.structural_tag", "is not supported")
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=None if self.choice is None else tuple(self.choice),  # type: ignore[arg-type]
+            grammar=self.grammar, json_object=bool(self.json_object),
+            disable_any_whitespace=self.disable_any_whitespace, whitespace_pattern=self.whitespace_pattern,
+        )
+
+
+# vLLM's fields before v0.12, now `structured_outputs`: refused by name rather than ignored, since
+# ignoring one would return unconstrained text.
+_REMOVED_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                   "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
 
 
 class _SamplingFields(_Body):
@@ -50,16 +138,37 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
             raise InvalidRequestError("logit_bias", "is not supported")
+        for old, new in _REMOVED_GUIDED.items():
+            if getattr(self, old) is not None:
+                raise InvalidRequestError(old, f"was removed (as in vLLM 0.12); use structured_outputs.{new}")
+        if self.structured_outputs is not None and self.response_format is not None and (
+            self.response_format.type != "text"
+        ):
+            raise InvalidRequestError("structured_outputs",
+                                      "give either response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "may only be set when stream is true")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint the request asks for, if any (checked, not compiled)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        return None if self.response_format is None else self.response_format.constraint()
 
     def _sampling_params(self, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Params for choice `choice` (0..n-1): with a seed, choice i draws with seed + i, so the
@@ -86,6 +195,7 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            structured_outputs=self.constraint(),
             **set_fields,
         )
 
@@ -157,10 +267,6 @@ class ChatMessage(_Body):
         return message
 
 
-class ResponseFormat(_Body):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra={
         "examples": [{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}]})
@@ -170,14 +276,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise InvalidRequestError("tools", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError("response_format", f"type {self.response_format.type!r} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
 
