@@ -11,9 +11,11 @@ adapts it to the engine's tensors and errors.
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from specserve.errors import InvalidRequestError
@@ -51,9 +53,13 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` [rows, vocab] with every token whose bit is 0 in `bitmask` [rows, words] set to -inf
     (a new tensor). Bit j of word w is token 32 w + j; tokens past the mask are not allowed."""
     rows, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1
-    allowed = bits.reshape(rows, -1)[:, :vocab].bool()
+    if sys.byteorder == "little" and not bitmask.is_cuda:  # the words' bytes are in token order: unpack them
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)
+    else:
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        bits_t = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1
+        allowed = bits_t.reshape(rows, -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
     return logits.masked_fill(~allowed, float("-inf"))

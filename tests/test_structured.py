@@ -392,3 +392,40 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(tiny_llama: Pa
     """With ignore_eos, a constrained request still ends when its grammar is complete."""
     o = plain.generate("x", params(CONSTRAINTS["choice"], ignore_eos=True, max_tokens=50), use_tqdm=False)[0]
     assert o.text in CHOICES and o.finish_reason == "stop" and EOS_ID not in o.token_ids
+
+
+# -- the bundled model ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bundled_model_structured_outputs_are_valid_and_lossless(bundled_model_dir: Path) -> None:
+    """SmolLM2 answering chat prompts under JSON schemas, a regex and a choice: every answer is
+    valid, and with `--spec suffix` and `--spec auto` token for token the answer without speculation
+    (benchmarks/structured_outputs.py runs thirty such requests)."""
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}, "hobbies": {
+                                                   "type": "array", "items": {"type": "string", "maxLength": 20},
+                                                   "maxItems": 3}},
+              "required": ["name", "age", "hobbies"], "additionalProperties": False}
+    asks = [
+        ("Describe a fictional person as JSON.", StructuredOutputsParams(json=person), "json"),
+        ("Give any JSON object about a cat.", StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+         "json_object"),
+        ("Write a date in 2026.", StructuredOutputsParams(regex=r"2026-[01][0-9]-[0-3][0-9]"), "date"),
+        ("Is the sky blue? Answer yes or no.", StructuredOutputsParams(choice=("yes", "no")), "choice"),
+    ]
+    convs = [[{"role": "user", "content": q}] for q, _, _ in asks]
+    ps = [SamplingParams(max_tokens=160, temperature=0, structured_outputs=c) for _, c, _ in asks]
+    outputs = {}
+    for spec in ("none", "suffix", "auto"):
+        llm = LLM(str(bundled_model_dir), speculative=spec)
+        outputs[spec] = llm.chat(convs, ps, use_tqdm=False)
+    for i in (0, 2, 3):  # bounded by their constraints (an object of any JSON may ramble to max_tokens)
+        assert outputs["none"][i].finish_reason == "stop"
+    jsonschema.validate(json.loads(outputs["none"][0].text), person)
+    if outputs["none"][1].finish_reason == "stop":
+        assert isinstance(json.loads(outputs["none"][1].text), dict)
+    assert re.fullmatch(r"2026-[01][0-9]-[0-3][0-9]", outputs["none"][2].text)
+    assert outputs["none"][3].text in ("yes", "no")
+    for spec in ("suffix", "auto"):
+        assert [o.token_ids for o in outputs[spec]] == [o.token_ids for o in outputs["none"]], spec

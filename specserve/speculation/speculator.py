@@ -117,7 +117,8 @@ class _Step:
     top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
-    forced: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (first forced node, count)
+    # index -> (its first forced node, how many, that node's parent): grammar-forced nodes verified
+    forced: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class Speculator:
@@ -155,6 +156,7 @@ class Speculator:
         self._drafted_with: Counter[str] = Counter()
         self._step_no = 0
         self._used_at: dict[str, int] = {}  # drafter -> the last step that verified one of its trees
+        self._forced = (9.0, 10.0)  # grammar-forced nodes accepted, tried (decayed; a prior of 9 in 10)
 
     @property
     def enabled(self) -> bool:
@@ -181,8 +183,8 @@ class Speculator:
             grants = self._grant(decodes, names, base, sampling_rows)
             proposed = self._run_drafters(decodes, names, grants)
             proposed = self._grammatical(decodes, proposed)
-            drafts = self._select(decodes, names, proposed, grants, base, sampling_rows)
-            return self._force(decodes, drafts)
+            forced_from = self._force(decodes, proposed)
+            return self._select(decodes, names, proposed, forced_from, base, sampling_rows)
         except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
             logger.exception("speculation failed while proposing; the step decodes plainly")
             self._step = _Step(shape=base, views=self._step.views)
@@ -289,43 +291,47 @@ class Speculator:
                 out[i] = tree
         return out
 
-    def _force(self, decodes: list[Decode], drafts: dict[int, DraftTree]) -> dict[int, DraftTree]:
-        """Each constrained request's tree with what its grammar forces next appended, within the room
-        the scheduler reserved. A forced node is the grammar's spelling of text the output must
-        contain: verified like any draft, accepted unless the model would spell it otherwise."""
-        step = self._step
-        added = drafted = attended = 0
-        for d in decodes:
+    def _force(self, decodes: list[Decode], proposed: dict[int, DraftTree]) -> dict[int, int]:
+        """Extends each constrained request's proposed tree (or an empty one) with what its grammar
+        forces next, after the main path, within the room the scheduler reserved. Returns, per
+        extended request, the index of its first forced node. A forced node is the grammar's
+        spelling of text the output must contain: verified like any draft (the model may spell the
+        text otherwise), valued at the measured rate forced nodes are accepted."""
+        first: dict[int, int] = {}
+        for i, d in enumerate(decodes):
             if d.grammar is None:
                 continue
-            tree = drafts.get(d.index)
-            old = tree if tree is not None else EMPTY_TREE
+            old = proposed.get(i, EMPTY_TREE)
             new, count = extend_forced(old, d.grammar, d.request.budget)
-            if count == 0:
-                continue
-            drafts[d.index] = new
-            step.forced[d.index] = (len(old), count)
-            context = d.request.num_computed + 1
-            added += count
-            drafted += tree is None
-            attended += len(new) * (context + len(new)) - len(old) * (context + len(old))
-        if added and step.shape is not None:
-            s = step.shape
-            step.shape = StepShape(s.tokens + added, s.drafted + drafted, s.attended + attended)
-            step.predicted_seconds = self.controller.predict(step.shape)
-            step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
-        return drafts
+            if count:
+                proposed[i] = new
+                first[i] = len(old)
+        return first
+
+    def _values(self, name: str, request_id: str, tree: DraftTree, forced_from: int) -> list[float]:
+        """The chance each node is accepted: the drafter's nodes by its measured acceptance, forced
+        nodes (from `forced_from` on: a chain off the main path's end) by the forced-node rate."""
+        v = self.acceptance.node_values(name, request_id, tree.truncated(forced_from)) if forced_from else []
+        for n in range(forced_from, len(tree)):
+            parent = tree.parents[n]
+            v.append((1.0 if parent < 0 else v[parent]) * self._forced_rate)
+        return v
+
+    @property
+    def _forced_rate(self) -> float:
+        hits, trials = self._forced
+        return hits / trials
 
     def _select(
-        self, decodes: list[Decode], names: list[str], proposed: dict[int, DraftTree], grants: list[int],
+        self, decodes: list[Decode], names: list[str], proposed: dict[int, DraftTree], forced_from: dict[int, int],
         base: StepShape, rows: int,
     ) -> dict[int, DraftTree]:
-        """Of the proposed nodes, the ones worth verifying (drafting time is spent by now)."""
-        a = self.acceptance
+        """Of the proposed nodes (the drafters' and, from `forced_from[i]` on, grammar-forced ones),
+        the ones worth verifying (drafting time is spent by now)."""
         order: dict[int, list[int]] = {}
         values: dict[int, list[float]] = {}
         for i, tree in proposed.items():
-            v = a.node_values(names[i], decodes[i].request.view.request_id, tree)
+            v = self._values(names[i], decodes[i].request.view.request_id, tree, forced_from.get(i, len(tree)))
             # Highest value first; a child never beats its parent, so parents stay first.
             order[i] = sorted(range(len(tree)), key=lambda n: (-v[n], n))
             values[i] = v
@@ -345,12 +351,19 @@ class Speculator:
                 continue
             kept = order[i][:k]
             tree = proposed[i].keep(kept)
-            drafts[decodes[i].index] = tree
+            index = decodes[i].index
+            drafts[index] = tree
             kept_tokens += k
             attended += k * (decodes[i].request.num_computed + 1 + k)
-            step.drafted[decodes[i].index] = _Drafted(
-                names[i], decodes[i].request.view, tree, sum(values[i][n] for n in kept)
-            )
+            start = forced_from.get(i, len(proposed[i]))
+            mine = sum(1 for n in kept if n < start)  # kept in index order: the drafter's nodes come first
+            if mine:
+                step.drafted[index] = _Drafted(
+                    names[i], decodes[i].request.view, tree.truncated(mine),
+                    sum(values[i][n] for n in kept if n < start),
+                )
+            if mine < k:
+                step.forced[index] = (mine, k - mine, tree.parents[mine])
         step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
         step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended)
         step.predicted_seconds = self.controller.predict(step.shape)
@@ -484,10 +497,12 @@ class Speculator:
         for index, rid in step.plain_ids.items():
             self._since_draft[rid] = self._since_draft.get(rid, 0) + 1
         forced_accepted = 0
-        for index, (first, count) in step.forced.items():
+        for index, (first, count, parent) in step.forced.items():
             verdict = step.verdicts.get(index)
-            if verdict is not None and verdict.error is None:
-                forced_accepted += sum(1 for n in verdict.accepted if n >= first)
+            if verdict is not None and verdict.error is None and (parent < 0 or parent in verdict.accepted):
+                hits = sum(1 for n in verdict.accepted if n >= first)
+                forced_accepted += hits
+                self._learn_forced(hits, hits + (hits < count))
             view = step.views.get(index)
             if index not in step.drafted and view is not None:  # forced nodes only: no drafter's
                 self._since_draft[view.request_id] = self._since_draft.get(view.request_id, 0) + 1
@@ -496,7 +511,7 @@ class Speculator:
         t.steps += 1
         t.predicted_accepted += predicted
         t.accepted += accepted
-        t.forced_drafted += sum(count for _, count in step.forced.values())
+        t.forced_drafted += sum(count for _, count, _ in step.forced.values())
         t.forced_accepted += forced_accepted
         if step.shape is not None and step.predicted_seconds is not None:
             forward_seconds = max(seconds - step.propose_seconds, 1e-6)
@@ -505,6 +520,13 @@ class Speculator:
             t.cost_actual_seconds += forward_seconds
             t.cost_abs_error_seconds += abs(step.predicted_seconds - forward_seconds)
             t.cost_steps += 1
+
+    def _learn_forced(self, hits: int, trials: int) -> None:
+        """Forced nodes reached this step: `hits` accepted of `trials` tried (the first rejected one
+        counts, those after it were never tried). Older steps weigh less."""
+        old_hits, old_trials = self._forced
+        decay = 0.99 ** trials
+        self._forced = (old_hits * decay + hits, old_trials * decay + trials)
 
     def _tell_drafters(
         self, view: RequestView, verified_by: str | None, tree: DraftTree, top: torch.Tensor | None,
