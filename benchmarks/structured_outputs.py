@@ -128,7 +128,7 @@ def valid(case: dict[str, Any], text: str) -> bool:
 
 
 def run(spec: str, all_cases: list[dict[str, Any]], max_tokens: int, threads: int) -> dict[str, Any]:
-    from specserve import LLM
+    from specserve import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM("smollm2-135m", speculative=spec)
@@ -145,10 +145,10 @@ def run(spec: str, all_cases: list[dict[str, Any]], max_tokens: int, threads: in
     b30 = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     free_tokens = free_time = 0.0
-    if spec == "none":  # the same prompts unconstrained, for the cost of constraining a step
+    if spec == "none":  # the same prompts unconstrained, each as long as its constrained answer
+        free_params = [SamplingParams(max_tokens=len(o.token_ids), temperature=0, ignore_eos=True) for o in outs]
         start = time.perf_counter()
-        free = [llm.chat([conv], params_for(c, max_tokens, constrained=False), use_tqdm=False)[0]
-                for conv, c in zip(convs, all_cases)]
+        free = [llm.chat([conv], fp, use_tqdm=False)[0] for conv, fp in zip(convs, free_params)]
         free_time = time.perf_counter() - start
         free_tokens = sum(len(o.token_ids) for o in free)
     return dict(
@@ -205,6 +205,7 @@ def mask_cost(all_cases: list[dict[str, Any]], texts: list[str]) -> dict[str, fl
             if not g.accept(t):
                 break
     return dict(fill_us=statistics.median(fill_us), apply_us=statistics.median(apply_us),
+                fill_mean_us=statistics.fmean(fill_us), apply_mean_us=statistics.fmean(apply_us),
                 chain8_masks_us=statistics.median(tree_us) if tree_us else float("nan"), states=len(fill_us))
 
 
@@ -231,10 +232,12 @@ def main() -> None:
               f"{r['batch1_tok_s']:>10.1f}{r['batch1_tok_s'] / base['batch1_tok_s']:>7.2f}"
               f"{r['batched_tok_s']:>11.1f}{r['batched_tok_s'] / base['batched_tok_s']:>7.2f}"
               f"{r['forced_accepted']:>12}/{r['forced_drafted']:<7}  batched same {same_b}/{len(all_cases)}")
-    print(f"plain decoding: {base['unconstrained_ms_per_token']:.2f} ms/token unconstrained, "
-          f"{base['constrained_ms_per_token']:.2f} constrained; one row's mask: fill {cost['fill_us']:.0f} us + "
+    print(f"plain decoding, the same prompts and lengths: {base['unconstrained_ms_per_token']:.2f} ms/token "
+          f"unconstrained, {base['constrained_ms_per_token']:.2f} constrained; "
+          f"one row's mask: fill {cost['fill_us']:.0f} us + "
           f"apply {cost['apply_us']:.0f} us; an 8-node chain's 9 rows: {cost['chain8_masks_us']:.0f} us "
-          f"(medians over {cost['states']} grammar states)")
+          f"(medians over {cost['states']} grammar states; means: fill {cost['fill_mean_us']:.0f} us, "
+          f"apply {cost['apply_mean_us']:.0f} us)")
     if a.json:
         for r in results:
             r.pop("outputs"), r.pop("batched_outputs")
