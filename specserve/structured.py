@@ -11,10 +11,10 @@ adapts it to the engine's tensors and errors.
 from __future__ import annotations
 
 import json
-import sys
 from collections import OrderedDict
 from typing import Any
 
+import llguidance
 import numpy as np
 import torch
 
@@ -29,16 +29,6 @@ _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 DEFAULT_JSON_WHITESPACE = r"\x20|\x0A{1,2}[\x20\x09]{0,20}"
 
 
-def _llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError as e:  # pragma: no cover - a dependency of the package
-        raise InvalidRequestError(
-            "structured_outputs", "structured outputs need the llguidance package (pip install llguidance)"
-        ) from e
-    return llguidance
-
-
 def bitmask_words(vocab_size: int) -> int:
     """32-bit words in one row of a token bitmask over `vocab_size` tokens."""
     return (vocab_size + 31) // 32
@@ -51,17 +41,13 @@ def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` [rows, vocab] with every token whose bit is 0 in `bitmask` [rows, words] set to -inf
-    (a new tensor). Bit j of word w is token 32 w + j; tokens past the mask are not allowed."""
+    (a new tensor). Bit j of word w is token 32 w + j; `bitmask` is on the CPU."""
     rows, vocab = logits.shape
-    if sys.byteorder == "little" and not bitmask.is_cuda:  # the words' bytes are in token order: unpack them
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)
-    else:
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        bits_t = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1
-        allowed = bits_t.reshape(rows, -1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
+    words = np.ascontiguousarray(bitmask.numpy(), dtype="<i4")  # little-endian: bytes in token order
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    if bits.shape[1] < vocab:
+        raise ValueError(f"a bitmask of {bits.shape[1]} tokens cannot mask {vocab} logits")
+    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)
     return logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -116,8 +102,7 @@ class GrammarCompiler:
     def from_hf(cls, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] | set[int]) -> "GrammarCompiler":
         """For a Hugging Face fast tokenizer and a model with `vocab_size` logits (which may be
         larger or smaller than the tokenizer's vocabulary: the mask covers both). About a second."""
-        _llguidance()
-        import llguidance.hf
+        import llguidance.hf  # imports transformers
 
         n_vocab = max(vocab_size, len(tokenizer))
         eos = sorted(eos_token_ids) or None
@@ -148,21 +133,20 @@ class GrammarCompiler:
         return getattr(c, c.kind)
 
     def _build(self, c: StructuredOutputsParams) -> Any:
-        llg = _llguidance()
         text = self._text(c)
         try:
             if c.kind in ("json", "json_object"):
                 overrides = _COMPACT_JSON if c.disable_any_whitespace else {
                     "whitespace_flexible": True, "whitespace_pattern": c.whitespace_pattern or DEFAULT_JSON_WHITESPACE}
-                grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=overrides)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=overrides)
             else:
-                grammar = llg.grammar_from({"regex": "regex", "choice": "choice", "grammar": "grammar"}[c.kind], text)
+                grammar = llguidance.grammar_from(c.kind, text)  # type: ignore[arg-type]  # regex, choice, grammar
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(c.field, _first_line(str(e))) from None
-        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise InvalidRequestError(c.field, _first_line(error))
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(c.field, _first_line(matcher.get_error()))
         return matcher

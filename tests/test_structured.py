@@ -266,8 +266,7 @@ def test_the_grammar_distribution_test_catches_unmasked_tree_nodes(tiny_vocab, m
         return bitmask
 
     monkeypatch.setattr(verifier_module, "masks", root_only)
-    monkeypatch.setattr(tree_grammar, "prune", lambda tree, g: tree)
-    monkeypatch.setattr("specserve.speculation.speculator.prune", lambda tree, g: tree)
+    monkeypatch.setattr("specserve.speculation.speculator.prune", lambda tree, g: tree)  # and no pruning
     target, draft = tiny_vocab
     n = 3000
     counts, _ = constrained_counts(target, _spec(*GRAMMAR_SAMPLING["chain-draft-model"], draft), n)

@@ -315,10 +315,6 @@ class LLMEngine:
             self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
         return self._grammars
 
-    @grammar_compiler.setter
-    def grammar_compiler(self, compiler: GrammarCompiler) -> None:
-        self._grammars = compiler
-
     def _grammar(self, params: SamplingParams) -> TokenGrammar | None:
         """The request's structured-output grammar at its start; InvalidRequestError naming the field
         when the schema, regex or grammar is not one."""
@@ -404,7 +400,6 @@ class LLMEngine:
         seq = req.seq
         if token in req.eos_ids:
             return "stop"
-        finished_grammar = seq.grammar is not None and seq.grammar.done
         if req.detok is not None:
             before = len(req.text)
             req.text += req.detok.add([token])
@@ -416,7 +411,7 @@ class LLMEngine:
                     idx, s = min(hits)
                     req.text = req.text[: idx + (len(s) if seq.params.include_stop_str_in_output else 0)]
                     return "stop"
-        if finished_grammar:  # the constrained output is complete: only the end of sequence may follow
+        if seq.grammar is not None and seq.grammar.done:  # complete: only the end of sequence may follow
             return "stop"
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_len:
             return "length"
