@@ -13,6 +13,11 @@ the 2 cores as possible. For each configuration: output tokens/s over all its re
 median of its per-request tokens/s, and its ratio to the first configuration per request
 (median). `{gguf}` stands for the bundled model's GGUF file.
 
+With `--workload structured`: the 24 JSON-schema chat requests of benchmarks/structured_outputs.py,
+each with `response_format: json_schema` (both servers constrain it), greedy, max_tokens 256, not
+streamed; tokens/s counts the tokens each answer actually has (answers differ in length between
+engines), and each answer is checked against its schema.
+
 With `--in-process`, each specserve configuration is also run in this process after the servers
 stop (`LLM.chat` on the same prompts, same options, one at a time): the server's overhead per
 token is the ratio of the two.
@@ -43,6 +48,8 @@ class Config:
     port: int
     proc: subprocess.Popen | None = None
     seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)
 
     def start(self, log_dir: Path) -> None:
         log = open(log_dir / f"{self.name}.log", "wb")
@@ -89,6 +96,24 @@ def chat(port: int, prompt: str, max_tokens: int) -> float:
     return seconds
 
 
+def structured_chat(port: int, prompt: str, schema: dict, max_tokens: int) -> tuple[float, int, str]:
+    """Seconds, completion tokens and text of one chat completion held to `schema`."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "answer", "schema": schema}}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    seconds = time.perf_counter() - start
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"port {port}: HTTP {resp.status}: {data[:300]!r}")
+    answer = json.loads(data)
+    return seconds, int(answer["usage"]["completion_tokens"]), answer["choices"][0]["message"]["content"]
+
+
 def in_process_seconds(args: str, prompts: list[str], max_tokens: int, threads: int) -> list[float]:
     """Seconds per prompt through LLM.chat with the options a server was given."""
     from specserve import LLM, SamplingParams
@@ -108,6 +133,12 @@ def in_process_seconds(args: str, prompts: list[str], max_tokens: int, threads: 
     return seconds
 
 
+def valid_json(case: dict, text: str) -> bool:
+    from structured_outputs import valid
+
+    return valid(case, text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bin", type=Path, required=True, help="directory holding llama-server")
@@ -117,6 +148,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the 13 prompts")
+    ap.add_argument("--workload", choices=["spec-bench", "structured"], default="spec-bench")
     ap.add_argument("--in-process", action="store_true",
                     help="also time each specserve configuration through LLM.chat (the server's overhead)")
     ap.add_argument("--json", type=Path, default=None)
@@ -141,6 +173,11 @@ def main() -> None:
     if not configs:
         ap.error("give at least one --llama or --specserve configuration")
     samples = open_dataset("spec-bench", None).sample(SampleSpec(seed=None, per_category=1)).samples
+    structured = []
+    if a.workload == "structured":
+        from structured_outputs import cases  # this directory's benchmark
+
+        structured = [c for c in cases() if c["kind"] == "json"]
     a.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for c in configs:  # one at a time: loading competes for the cores
@@ -148,7 +185,14 @@ def main() -> None:
             c.wait_ready()
         for c in configs:
             chat(c.port, "Hello", 8)  # warm-up
-        for r in range(a.rounds):
+        for i, case in enumerate(structured):
+            for c in configs:
+                seconds, tokens, text = structured_chat(c.port, case["prompt"], case["schema"], a.max_tokens)
+                c.seconds.append(seconds)
+                c.tokens.append(tokens)
+                c.valid.append(valid_json(case, text))
+            print(f"request {i + 1}/{len(structured)} done", file=sys.stderr, flush=True)
+        for r in range(a.rounds if not structured else 0):
             for i, s in enumerate(samples):
                 for c in configs:
                     c.seconds.append(chat(c.port, s.prompt, a.max_tokens))
@@ -156,27 +200,35 @@ def main() -> None:
     finally:
         for c in configs:
             c.stop()
-    if a.in_process:
+    if a.in_process and not structured:
         for name, args in in_process.items():
             seconds = in_process_seconds(args, [s.prompt for s in samples] * a.rounds, a.max_tokens, a.threads)
             configs.append(Config(f"{name} (LLM.chat)", [], 0, seconds=seconds))
     base = configs[0]
     rows = []
     for c in configs:
-        rates = [a.max_tokens / t for t in c.seconds]
-        ratios = [b / t for b, t in zip(base.seconds, c.seconds)]
-        rows.append({"config": c.name, "command": shlex.join(c.argv) or "in process", "requests": len(c.seconds),
-                     "tokens_per_s": round(a.max_tokens * len(c.seconds) / sum(c.seconds), 2),
-                     "median_request_tokens_per_s": round(statistics.median(rates), 2),
-                     f"median_ratio_vs_{base.name}": round(statistics.median(ratios), 3)})
+        tokens = c.tokens or [a.max_tokens] * len(c.seconds)
+        base_tokens = base.tokens or [a.max_tokens] * len(base.seconds)
+        rates = [n / t for n, t in zip(tokens, c.seconds)]
+        ratios = [(n / t) / (bn / bt) for n, t, bn, bt in zip(tokens, c.seconds, base_tokens, base.seconds)]
+        row = {"config": c.name, "command": shlex.join(c.argv) or "in process", "requests": len(c.seconds),
+               "tokens_per_s": round(sum(tokens) / sum(c.seconds), 2),
+               "median_request_tokens_per_s": round(statistics.median(rates), 2),
+               f"median_ratio_vs_{base.name}": round(statistics.median(ratios), 3)}
+        if c.valid:
+            row["valid"] = sum(c.valid)
+            row["tokens"] = sum(tokens)
+        rows.append(row)
     width = max(len(r["config"]) for r in rows)
     print(f"{'config':<{width}}  tok/s   median req tok/s   ratio vs {base.name}")
     for r in rows:
         print(f"{r['config']:<{width}}  {r['tokens_per_s']:6.1f}   {r['median_request_tokens_per_s']:15.1f}   "
-              f"{r[f'median_ratio_vs_{base.name}']:.3f}")
+              f"{r[f'median_ratio_vs_{base.name}']:.3f}"
+              + (f"   valid {r['valid']}/{r['requests']}, {r['tokens']} tokens" if "valid" in r else ""))
     if a.json is not None:
         a.json.write_text(json.dumps({"rows": rows, "max_tokens": a.max_tokens, "threads": a.threads,
-                                      "prompts": len(samples), "rounds": a.rounds}, indent=2))
+                                      "workload": a.workload, "prompts": len(structured or samples),
+                                      "rounds": a.rounds}, indent=2))
 
 
 if __name__ == "__main__":
