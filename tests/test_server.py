@@ -492,6 +492,19 @@ def test_metrics_exposition(server: Server) -> None:
         assert f"specserve_{name}" in m
 
 
+def test_gateway_metrics(server: Server) -> None:
+    """The gauges an inference gateway's endpoint picker reads (queue, running, KV usage as a 0-1
+    fraction, block size) are served under the names its reference picker scrapes by default."""
+    server.openai.completions.create(model=MODEL, prompt="warm", max_tokens=2, temperature=0)
+    m = server.metrics()
+    assert m["vllm:num_requests_waiting"] == m["specserve_num_requests_waiting"] == 0
+    assert m["vllm:num_requests_running"] == m["specserve_num_requests_running"]
+    used, total = m["specserve_kv_blocks_used"], m["specserve_kv_blocks_total"]
+    assert m["vllm:kv_cache_usage_perc"] == m["specserve_kv_cache_usage_perc"] == pytest.approx(used / total)
+    info = [k for k in m if k.startswith("vllm:cache_config_info")]
+    assert info == [f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{int(total)}"}}']
+
+
 def test_64_concurrent_streams(server: Server, llm: LLM) -> None:
     """64 clients streaming at once through the shared engine loop all complete without errors, and
     each greedy output is exactly the one a sequential (batch of one) run gives."""

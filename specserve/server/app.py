@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine.
+"""The FastAPI app: OpenAI-compatible endpoints over an engine client (the engine in this process,
+or a pool of engine replicas on Ray Serve).
 
     POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with "stream": true)
     POST /v1/tokenize, /v1/detokenize
@@ -12,9 +13,10 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from fastapi import FastAPI
+from prometheus_client.registry import Collector
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -26,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from specserve.engine.engine import LLMEngine
 from specserve.entrypoints.llm import LLM
 from specserve.errors import InvalidRequestError
-from specserve.server.engine_loop import AsyncEngine, EngineError
+from specserve.server.engine_loop import AsyncEngine, EngineClient, EngineError
 from specserve.server.errors import APIError
 from specserve.server.guard import ConnectionGuard, RequestTracking
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -151,16 +153,36 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP layer knows of the model: its tokenizer (token texts for logprobs), context
+    length and KV block size (reported to routers in /metrics)."""
+
+    tokenizer: Any
+    max_model_len: int
+    block_size: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> ServedModel:
+        config = llm.engine.config
+        return cls(llm.tokenizer, config.max_model_len, config.cache.block_size)
+
+
 def create_app(llm: LLM, options: ServerOptions, guard: ConnectionGuard | None = None) -> FastAPI:
-    """The ASGI app serving `llm`. The engine thread starts with the app (lifespan) and stops with
-    it, aborting whatever is still in flight. `guard`: the server's connection guard, told when
-    each connection's request starts and ends (see specserve.server.guard)."""
+    """The ASGI app serving `llm` in this process. The engine thread starts with the app (lifespan)
+    and stops with it, aborting whatever is still in flight. `guard`: the server's connection guard,
+    told when each connection's request starts and ends (see specserve.server.guard)."""
+    return build_app(AsyncEngine(llm.engine, options.max_waiting), ServedModel.of(llm), options, guard)
+
+
+def build_app(engine: EngineClient, model: ServedModel, options: ServerOptions,
+              guard: ConnectionGuard | None = None, collectors: Sequence[Collector] = ()) -> FastAPI:
+    """The ASGI app over any engine client; `collectors`: more Prometheus series for /metrics."""
     served_model_name = options.served_model_name
-    engine = AsyncEngine(llm.engine, options.max_waiting)
     started = int(time.time())
-    metrics = ServerMetrics(engine.snapshot)
-    ctx = ServingContext(engine, metrics, TokenTexts(llm.tokenizer), served_model_name,
-                         llm.engine.config.max_model_len, max_choices=options.max_waiting)
+    metrics = ServerMetrics(engine.snapshot, model.block_size, collectors)
+    ctx = ServingContext(engine, metrics, TokenTexts(model.tokenizer), served_model_name,
+                         model.max_model_len, max_choices=options.max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

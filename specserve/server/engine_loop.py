@@ -16,8 +16,8 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from dataclasses import dataclass, fields, replace
+from typing import Any, AsyncIterator, Callable, Generic, Protocol, Sequence, TypeVar
 
 from specserve.engine.engine import EngineStats, LLMEngine
 from specserve.outputs import DraftCounters
@@ -48,6 +48,10 @@ class ServerShuttingDown(EngineError):
 
 class GenerationFailed(EngineError):
     """This request alone failed in the engine (e.g. its sampling numbers broke down); the others go on."""
+
+
+class EngineUnavailable(EngineError):
+    """No engine can take or finish the request now (a replica died or is restarting): retry later."""
 
 
 def build_on_passing_thread(build: Callable[[], T]) -> T:
@@ -95,6 +99,63 @@ class EngineSnapshot:
     @property
     def num_waiting(self) -> int:
         return self.stats.num_waiting + self.queued
+
+
+def merge_snapshots(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
+    """The snapshots of several engines as one engine's: gauges and counters summed (counters of a
+    restarted engine start again from zero, which Prometheus reads as a counter reset)."""
+    if not snapshots:
+        return EngineSnapshot(EngineStats(0, 0, 0, 0, 0, 0, 0), DraftCounters(), 0)
+    stats = EngineStats(*(sum(getattr(s.stats, f.name) for s in snapshots) for f in fields(EngineStats)))
+    drafts = DraftCounters()
+    for s in snapshots:
+        drafts.add(s.drafts)
+    control: dict[str, Any] = {}
+    for f in fields(SpeculationStats):
+        values = [getattr(s.control, f.name) for s in snapshots]
+        if isinstance(values[0], tuple):  # (key, count) pairs
+            counts: dict[Any, Any] = {}
+            for pairs in values:
+                for key, n in pairs:
+                    counts[key] = counts.get(key, 0) + n
+            control[f.name] = tuple(sorted(counts.items()))
+        else:
+            control[f.name] = sum(values)
+    return EngineSnapshot(stats, drafts, sum(s.queued for s in snapshots), SpeculationStats(**control))
+
+
+class OutputStream(Protocol):
+    """The outputs of a group of engine requests; `close()` aborts the unfinished ones."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def close(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer needs of an engine: one in this process (AsyncEngine) or a pool of
+    replicas elsewhere (specserve.server.replicas). Errors: InvalidRequestError (bad input),
+    QueueFullError (429), EngineError and its kinds (ServerShuttingDown, EngineUnavailable, ...)."""
+
+    async def submit(self, requests: Sequence[EngineRequest]) -> OutputStream: ...
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    async def drain(self, timeout: float) -> None: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def alive(self) -> bool: ...
 
 
 def _copy_spec(c: DraftCounters) -> DraftCounters:

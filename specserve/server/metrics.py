@@ -7,7 +7,7 @@ thread publishes after every pass, so a scrape never touches the engine.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -24,6 +24,36 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0)
+
+
+def _kv_usage(snap: EngineSnapshot) -> float:
+    total = snap.stats.kv_blocks_total
+    return snap.stats.kv_blocks_used / total if total else 0.0
+
+
+class RouterProtocolCollector(Collector):
+    """The gauges an inference gateway's endpoint picker scrapes to route between model servers
+    (the Gateway API Inference Extension's model-server protocol: queued requests, running requests,
+    KV-cache utilization as a fraction, the KV block size for prefix-aware routing), under the names
+    its reference picker reads by default (vLLM's), so llm-d or KServe route `specserve serve` pods
+    without metric-name flags."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], block_size: int) -> None:
+        self._snapshot = snapshot
+        self._block_size = block_size
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled (specserve)",
+                                value=snap.num_waiting)
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch (specserve)",
+                                value=snap.stats.num_running)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0 to 1 (specserve)",
+                                value=_kv_usage(snap))
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (specserve)",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(self._block_size), str(snap.stats.kv_blocks_total)], 1.0)
+        yield info
 
 
 class EngineCollector(Collector):
@@ -43,6 +73,8 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("specserve_kv_blocks_used", "KV cache blocks held by requests",
                                 value=stats.kv_blocks_used)
         yield GaugeMetricFamily("specserve_kv_blocks_total", "KV cache blocks", value=stats.kv_blocks_total)
+        yield GaugeMetricFamily("specserve_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)",
+                                value=_kv_usage(snap))
         yield GaugeMetricFamily("specserve_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / prompt tokens looked up",
                                 value=stats.prefix_cache_hit_rate)
@@ -95,7 +127,8 @@ def _control_metrics(c: SpeculationStats) -> Iterator[Metric]:
 class ServerMetrics:
     """The app's registry and its per-request series."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], block_size: int,
+                 collectors: Sequence[Collector] = ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("specserve_requests", "Generation requests by outcome (success, error, abort)",
@@ -113,6 +146,9 @@ class ServerMetrics:
         self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Arrival to last token, per engine request",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(snapshot))
+        r.register(RouterProtocolCollector(snapshot, block_size))
+        for collector in collectors:
+            r.register(collector)
 
     def request_done(self, status: str) -> None:
         self.requests.labels(status=status).inc()

@@ -20,7 +20,8 @@ from specserve.outputs import DraftCounters, TokenLogprob
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput
 from specserve.server.engine_loop import (
-    AsyncEngine, EngineError, EngineRequest, GenerationFailed, QueueFullError, RequestStream, ServerShuttingDown,
+    EngineClient, EngineError, EngineRequest, EngineUnavailable, GenerationFailed, OutputStream, QueueFullError,
+    ServerShuttingDown,
 )
 from specserve.server.errors import APIError
 from specserve.server.metrics import ServerMetrics
@@ -87,7 +88,7 @@ class TokenTexts:
 
 @dataclass(frozen=True)
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     metrics: ServerMetrics
     texts: TokenTexts
     served_model_name: str
@@ -296,6 +297,8 @@ def engine_failure(e: EngineError) -> APIError:
     """The HTTP error for a request the engine could not finish."""
     if isinstance(e, ServerShuttingDown):
         return APIError(503, str(e), type="server_error", code="server_shutting_down")
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, str(e), type="server_error", code="engine_unavailable")
     if isinstance(e, GenerationFailed):
         return APIError(500, str(e), type="server_error", code="generation_failed")
     return APIError(500, str(e), type="server_error", code="engine_error")
@@ -353,7 +356,7 @@ class GenerationRun:
                                      headers={"Cache-Control": "no-cache"})
         return await self._complete(job, stream, tracker, request)
 
-    async def _complete(self, job: Job, stream: RequestStream, tracker: RequestTracker, request: Request) -> Response:
+    async def _complete(self, job: Job, stream: OutputStream, tracker: RequestTracker, request: Request) -> Response:
         finals: dict[int, RequestOutput] = {}
         index = job.index_of()
 
@@ -376,7 +379,7 @@ class GenerationRun:
             return Response(status_code=499)
         return JSONResponse(self._fmt.response(job, [finals[i] for i in range(len(job.requests))]))
 
-    async def _events(self, job: Job, stream: RequestStream, tracker: RequestTracker) -> AsyncIterator[str]:
+    async def _events(self, job: Job, stream: OutputStream, tracker: RequestTracker) -> AsyncIterator[str]:
         index = job.index_of()
         status: str | None = None
         try:
@@ -438,6 +441,10 @@ class ChatPrompt:
 
     def __init__(self, messages: list[dict[str, Any]]) -> None:
         self._messages = messages
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self._messages
 
     def __call__(self, engine: LLMEngine) -> list[int]:
         if engine.tokenizer is None:
