@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import logging
 import os
 import signal
+import sys
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from specserve.entrypoints.engine_args import EngineArgs
+from specserve.server.routing import ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from specserve.server.app import ServerOptions
+    from specserve.server.guard import ConnectionLimits
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -52,18 +60,30 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="seconds a connection has to send a complete request head (default: 20)")
     s.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request has to send its whole body, else 408 (default: 60)")
+    r = p.add_argument_group("scale-out on Ray Serve (pip install 'specserve[ray]')")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="serve N engine replicas deployed with Ray Serve behind this endpoint (default: one engine "
+                        "in this process, no Ray)")
+    r.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to deploy on, e.g. 'auto' or ray://host:10001 (default: start a local one)")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica; its engine's threads default to this (default: 1)")
+    r.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs Ray reserves for each replica (default: 1 with --device cuda, else 0)")
+    r.add_argument("--routing", default="affinity", choices=ROUTING_POLICIES,
+                   help="how a request picks its replica: affinity (the replica that was sent the longest prefix "
+                        "of its prompt, unless it is loaded well above the least loaded), round-robin, or "
+                        "least-loaded (default: affinity)")
+    r.add_argument("--ray-app-name", default="specserve",
+                   help="Serve applications are named NAME-0 .. NAME-(N-1) (default: specserve)")
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
     from specserve.server.app import ServerOptions, create_app
-    from specserve.server.guard import ConnectionGuard, ConnectionLimits, GuardedProtocol, fit_to_fd_limit
+    from specserve.server.guard import ConnectionGuard, ConnectionLimits, fit_to_fd_limit
     from specserve.server.middleware import AccessPolicy, default_allowed_hosts, is_loopback
-    from specserve.server.runner import DrainingServer
 
     if a.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout: must be >= 0, got {a.shutdown_timeout}")
@@ -81,14 +101,64 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if options.access.api_key is None and not is_loopback(a.host):
         logger.warning("serving on %s without an API key: anyone who can reach this address can generate and "
                        "read /metrics; set --api-key or $%s", a.host, API_KEY_ENV)
+    engine_args = EngineArgs.from_cli(a)
+    if a.replicas is not None:
+        return _serve_replicas(a, engine_args, options, limits)
     from specserve.entrypoints.llm import LLM
     from specserve.server.engine_loop import build_on_passing_thread
 
-    engine_args = EngineArgs.from_cli(a)
     llm = build_on_passing_thread(lambda: LLM.from_engine_args(engine_args))
     limits, backlog = fit_to_fd_limit(limits)  # after the model: its files and threads hold descriptors too
     guard = ConnectionGuard(limits)
     app = create_app(llm, options, guard)
+    _run_server(app, a, guard, backlog)
+    return 0
+
+
+def _serve_replicas(a: argparse.Namespace, engine_args: EngineArgs, options: ServerOptions,
+                    limits: ConnectionLimits) -> int:
+    """--replicas N: the same app in this process, over engine replicas deployed with Ray Serve."""
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise ValueError("--replicas needs Ray Serve, which is not installed: pip install 'specserve[ray]'")
+    from specserve.server.app import build_app
+    from specserve.server.guard import ConnectionGuard, fit_to_fd_limit
+    from specserve.server.replicas import (
+        ReplicaOptions, ReplicaPool, ReplicaStartError, connect, deploy_replicas, disconnect,
+    )
+    from specserve.server.routing import Router, RoutingConfig
+
+    gpus = a.replica_gpus if a.replica_gpus is not None else (1.0 if engine_args.device.startswith("cuda") else 0.0)
+    replica_options = ReplicaOptions(replicas=a.replicas, app_prefix=a.ray_app_name, cpus=a.replica_cpus,
+                                     gpus=gpus, max_waiting=a.max_waiting)
+    router = Router(RoutingConfig(policy=a.routing), a.replicas)
+    local = connect(a.ray_address)
+    logger.info("deploying %d engine replica(s) on Ray Serve", a.replicas)
+    try:
+        handles = deploy_replicas(engine_args, replica_options)
+    except ReplicaStartError as e:
+        disconnect(replica_options, local)
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        model = handles[0].describe.remote().result()
+        pool = ReplicaPool(replica_options.names(), handles, router)
+        limits, backlog = fit_to_fd_limit(limits)
+        guard = ConnectionGuard(limits)
+        app = build_app(pool, model, options, guard, collectors=[pool.collector()])
+        logger.info("routing %s over %s", a.routing, ", ".join(replica_options.names()))
+        _run_server(app, a, guard, backlog)
+    finally:
+        disconnect(replica_options, local)
+    return 0
+
+
+def _run_server(app: Any, a: argparse.Namespace, guard: Any, backlog: int) -> None:
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from specserve.server.guard import GuardedProtocol
+    from specserve.server.runner import DrainingServer
+
     config = uvicorn.Config(
         app, host=a.host, port=a.port, log_level=a.log_level,
         http=functools.partial(GuardedProtocol, guard=guard, inner=AutoHTTPProtocol),  # type: ignore[arg-type]
@@ -105,7 +175,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0
 
 
 class _Stopped(Exception):

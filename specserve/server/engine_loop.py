@@ -282,6 +282,10 @@ class AsyncEngine:
         return self._draining
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 

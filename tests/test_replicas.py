@@ -1,0 +1,311 @@
+"""Scale-out: routing by prefix affinity bounded by load (pure), and `specserve serve --replicas 2`
+on a local Ray cluster: the single server's API, streaming and errors through two engine replicas,
+conversations kept on one replica, a replica's death ending its requests with 503 (never a hang)
+and the replica restarted, a replica that cannot load its model failing the start with its error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+from serverproc import MODEL, REPO, Server
+from specserve.engine.engine import EngineStats
+from specserve.entrypoints.llm import LLM
+from specserve.outputs import DraftCounters
+from specserve.sampling_params import SamplingParams
+from specserve.server.engine_loop import EngineSnapshot, merge_snapshots
+from specserve.server.routing import Router, RoutingConfig, messages_text, prefix_keys
+from specserve.speculation.speculator import SpeculationStats
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}  # shared by every conversation
+
+
+def conversation(k: int, turns: int) -> list[dict[str, str]]:
+    msgs = [SYSTEM]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"conversation {k}, question {t}: " + "tell me more. " * 12})
+        msgs.append({"role": "assistant", "content": f"answer {t} of conversation {k} " * 10})
+    return msgs[:-1]
+
+
+# -- routing (no Ray) -------------------------------------------------------------------------------
+
+
+def test_prefix_keys_name_whole_prefixes() -> None:
+    """Key i stands for blocks 0..i: a prompt's keys start with the keys of each of its prefixes, and
+    two prompts that differ in block 0 share no key even where later blocks agree."""
+    config = RoutingConfig(block_bytes=8)
+    text = "abcdefgh" * 6
+    keys = prefix_keys(text, config)
+    assert len(keys) == 6 and prefix_keys(text[:20], config) == keys[:2]
+    other = prefix_keys("Xbcdefgh" + text[8:], config)
+    assert not set(keys) & set(other)
+    assert prefix_keys(list(range(10)), config) == prefix_keys(list(range(10)) + [7], config)  # 4 bytes/id: 5 blocks
+    assert len(prefix_keys(list(range(10)), config)) == 5
+    turn1 = prefix_keys(messages_text(conversation(0, 1)), RoutingConfig())
+    turn2 = prefix_keys(messages_text(conversation(0, 2)), RoutingConfig())
+    assert turn2[:len(turn1)] == turn1 and len(turn2) > len(turn1)
+
+
+def test_affinity_keeps_conversations_on_their_replica() -> None:
+    """Once every replica holds the system prompt all conversations share, first turns spread by
+    load, and each conversation's later turns go to the replica its first turn went to (matching
+    more than the shared part)."""
+    router = Router(RoutingConfig(), 2)
+    shared = router.keys(messages_text([SYSTEM]))
+    router.routed(0, shared)
+    router.routed(1, shared)
+    home: dict[int, int] = {}
+    for turn in range(1, 4):
+        loads = [0, 0]
+        for k in range(6):
+            keys = router.keys(messages_text(conversation(k, turn)))
+            d = router.choose(keys, loads, [True, True])
+            assert d is not None
+            if turn == 1:
+                home[k] = d.replica
+            else:
+                assert d.replica == home[k] and d.reason == "affinity", (k, turn, d)
+                assert d.matched > len(shared)
+            router.routed(d.replica, keys)
+            loads[d.replica] += 1  # each conversation keeps one request open
+        if turn == 1:
+            assert sorted(home.values()).count(0) == 3
+
+
+def test_cold_shared_prefix_concentrates_only_up_to_the_load_bound() -> None:
+    """Before any replica holds the shared system prompt, first turns follow the one that does
+    (it saves their prefill) until it runs balance_abs requests above the other."""
+    router = Router(RoutingConfig(balance_abs=2), 2)
+    loads = [0, 0]
+    for k in range(8):
+        keys = router.keys(messages_text(conversation(k, 1)))
+        d = router.choose(keys, loads, [True, True])
+        router.routed(d.replica, keys)
+        loads[d.replica] += 1
+    assert abs(loads[0] - loads[1]) <= 3 and min(loads) >= 2
+
+
+def test_affinity_gives_way_to_load() -> None:
+    """The best match is skipped when it runs more than max(balance_abs, balance_rel x least) above
+    the least loaded replica, and taken at exactly that margin."""
+    router = Router(RoutingConfig(balance_abs=4, balance_rel=0.5), 2)
+    keys = router.keys("x" * 2048)
+    router.routed(1, keys)
+    assert router.choose(keys, [0, 4], [True, True]).replica == 1  # 4 - 0 <= 4
+    d = router.choose(keys, [0, 5], [True, True])
+    assert (d.replica, d.reason) == (0, "overloaded")
+    assert router.choose(keys, [20, 30], [True, True]).replica == 1  # 10 <= 0.5 x 20
+    assert router.choose(keys, [20, 31], [True, True]).replica == 0
+    assert router.choose(keys, [0, 0], [True, False]).replica == 0  # an unusable replica is never chosen
+    assert router.choose(keys, [0, 0], [False, False]) is None
+    router.forget(1)  # restarted: its caches are gone
+    assert router.choose(keys, [0, 0], [True, True]).reason == "least-loaded"
+
+
+def test_other_policies_and_config_errors() -> None:
+    rr = Router(RoutingConfig(policy="round-robin"), 3)
+    assert [rr.choose([], [0] * 3, [True, False, True]).replica for _ in range(4)] == [0, 2, 0, 2]
+    ll = Router(RoutingConfig(policy="least-loaded"), 3)
+    assert ll.choose(ll.keys("y" * 999), [3, 1, 2], [True] * 3).replica == 1
+    with pytest.raises(ValueError, match="routing policy"):
+        RoutingConfig(policy="random")
+    with pytest.raises(ValueError, match="block_bytes"):
+        RoutingConfig(block_bytes=0)
+    with pytest.raises(ValueError, match="replicas"):
+        Router(RoutingConfig(), 0)
+
+
+def test_prefix_index_is_bounded() -> None:
+    """The router remembers at most max_keys_per_replica keys per replica, dropping the least recent."""
+    router = Router(RoutingConfig(block_bytes=4, max_keys_per_replica=8), 1)
+    old, new = router.keys("a" * 32), router.keys("b" * 32)
+    router.routed(0, old)
+    router.routed(0, new)
+    assert router.keys_held(0) == 8
+    assert router.choose(new, [0], [True]).matched == 8 and router.choose(old, [0], [True]).matched == 0
+
+
+def test_merged_snapshot_sums_engines() -> None:
+    a = EngineSnapshot(EngineStats(1, 2, 3, 10, 8, 4, 0), DraftCounters(5, 3, 2, [2, 1]), 1,
+                       SpeculationStats(steps=2, grants=((0, 1), (2, 3)), drafted_with=(("ngram", 2),)))
+    b = EngineSnapshot(EngineStats(2, 0, 1, 10, 2, 2, 1), DraftCounters(1, 1, 1, [1]), 0,
+                       SpeculationStats(steps=1, grants=((2, 1),), drafted_with=(("ngram", 1), ("suffix", 1))))
+    m = merge_snapshots([a, b])
+    assert m.stats == EngineStats(3, 2, 4, 20, 10, 6, 1) and m.stats.prefix_cache_hit_rate == 0.6
+    assert (m.drafts.proposed, m.drafts.accepted, m.drafts.accepted_per_position) == (6, 4, [3, 1])
+    assert m.control.grants == ((0, 1), (2, 4)) and m.control.drafted_with == (("ngram", 3), ("suffix", 1))
+    assert m.num_waiting == 3 and merge_snapshots([]).stats.kv_blocks_total == 0
+
+
+def test_replicas_without_ray_names_the_extra(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from specserve.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("ray") else real(name, *a))
+    assert main(["serve", "--model", str(tiny_llama), "--replicas", "2"]) == 2
+    assert "pip install 'specserve[ray]'" in capsys.readouterr().err
+
+
+# -- two replicas on a local Ray cluster ----------------------------------------------------------------
+
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="Ray Serve not installed (pip install -e '.[ray]')")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("replica-logs")
+    server = Server(tiny_llama, logs / "replicas.log", "--replicas", "2", "--replica-cpus", "0.5",
+                    "--max-model-len", "1024", "--ray-app-name", f"specserve-test-{os.getpid()}")
+    try:
+        server.wait_ready(timeout=240)
+        yield server
+    finally:
+        server.stop()
+
+
+def replica_of_flight(server: Server) -> str | None:
+    m = server.metrics()
+    busy = [k for k, v in m.items() if k.startswith("specserve_replica_requests_in_flight") and v > 0]
+    return busy[0].split('replica="')[1].rstrip('"}') if busy else None
+
+
+@needs_ray
+def test_same_api_and_outputs_through_replicas(cluster: Server, tiny_llama: Path) -> None:
+    """Completions, chat and streaming answer as the single server does, greedy outputs equal to the
+    engine's own, and bad input gets the same 400 naming its field (raised inside a replica)."""
+    llm = LLM(str(tiny_llama), max_model_len=1024)
+    prompts = [f"prompt number {i} " * 3 for i in range(4)]
+    for p in prompts:
+        want = llm.generate(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0].text
+        got = cluster.openai.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        stream = cluster.openai.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    chat = cluster.openai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, n=2, temperature=0.8, seed=1)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == 10
+    too_long = cluster.http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 2000, "max_tokens": 4})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt", too_long.text
+    assert cluster.http.post("/v1/tokenize", json={"prompt": "abc"}).json()["count"] == 3
+    assert cluster.http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    m = cluster.metrics()
+    assert sorted(v for k, v in m.items() if k.startswith("specserve_replica_up")) == [1, 1]
+    assert m["vllm:num_requests_waiting"] == 0 and "specserve_router_prompt_blocks_total" in m
+
+
+def _routed_to(server: Server, send: Callable[[], object]) -> str:
+    """The replica the router sent `send()`'s request to (from the router's counters)."""
+    def counts() -> dict[str, float]:
+        return {k: v for k, v in server.metrics().items() if k.startswith("specserve_router_requests_total")}
+
+    before = counts()
+    send()
+    moved = [k for k, v in counts().items() if v > before.get(k, 0)]
+    assert len(moved) == 1, moved
+    return moved[0].split('replica="')[1].split('"')[0]
+
+
+@needs_ray
+def test_conversation_turns_stay_on_one_replica(cluster: Server) -> None:
+    """A conversation's second turn goes where its first went (its prompt's prefix is cached there)."""
+    def chat(k: int, turns: int) -> Callable[[], object]:
+        msgs = [{"role": "system", "content": "Be brief. " * 15}]
+        for t in range(turns):
+            msgs.append({"role": "user", "content": f"conversation {k} question {t} " * 9})
+            msgs.append({"role": "assistant", "content": f"answer {t} " * 10})
+        return lambda: cluster.openai.chat.completions.create(model=MODEL, messages=msgs[:-1], max_tokens=2)
+
+    homes = {k: _routed_to(cluster, chat(k, 1)) for k in range(3)}
+    time.sleep(1.5)  # replica snapshots arrive with the router's health poll (every 0.5 s)
+    hits_before = cluster.metrics()["specserve_prefix_cache_hit_rate"]
+    for k in range(3):
+        assert _routed_to(cluster, chat(k, 2)) == homes[k]
+    time.sleep(1.5)
+    assert cluster.metrics()["specserve_prefix_cache_hit_rate"] > hits_before
+
+
+@needs_ray
+def test_client_gone_frees_replica_blocks(cluster: Server) -> None:
+    """A stream the client drops is aborted in its replica: no KV block stays held."""
+    with httpx.stream("POST", f"{cluster.base}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "drop me", "max_tokens": 900, "stream": True,
+                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = cluster.metrics()
+        if m["specserve_kv_blocks_used"] == 0 and replica_of_flight(cluster) is None and \
+                m["specserve_num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["specserve_kv_blocks_used"] == 0, cluster.log()
+
+
+def _replica_pid(name: str) -> int:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if f"ServeReplica:{name}:" in line:
+            return int(line.split()[0])
+    raise AssertionError(f"no process for replica {name}:\n{out}")
+
+
+@needs_ray
+def test_replica_death_ends_its_requests_with_503_and_it_comes_back(cluster: Server) -> None:
+    """Killing the replica in the middle of a stream ends that stream with an engine_unavailable
+    error at once; new requests go to the other replica meanwhile; Serve restarts the dead one."""
+    with httpx.stream("POST", f"{cluster.base}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "a long one", "max_tokens": 1000, "stream": True,
+                            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        victim = replica_of_flight(cluster)
+        assert victim is not None
+        os.kill(_replica_pid(victim), signal.SIGKILL)
+        killed = time.monotonic()
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert time.monotonic() - killed < 10
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[0]["code"] == "engine_unavailable" and victim in errors[0]["message"], events[-2:]
+    ok = cluster.openai.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+    assert ok.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        m = cluster.metrics()
+        if m[f'specserve_replica_up{{replica="{victim}"}}'] == 1:
+            break
+        time.sleep(0.5)
+    assert m[f'specserve_replica_up{{replica="{victim}"}}'] == 1, cluster.log()
+    assert m[f'specserve_replica_restarts_total{{replica="{victim}"}}'] == 1
+
+
+@needs_ray
+def test_replica_that_cannot_load_fails_the_start_with_its_error(tmp_path: Path) -> None:
+    """A model the replicas cannot load ends `serve --replicas` with that error, not a timeout."""
+    missing = tmp_path / "no-such-model"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "serve", "--model", str(missing), "--replicas", "2",
+                           "--replica-cpus", "0.5", "--port", "0", "--ray-app-name", f"specserve-bad-{os.getpid()}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "failed to start" in proc.stderr and str(missing) in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 200
