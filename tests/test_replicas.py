@@ -5,6 +5,8 @@ and the replica restarted, a replica that cannot load its model failing the star
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -135,6 +138,9 @@ def test_prefix_index_is_bounded() -> None:
     router.routed(0, new)
     assert router.keys_held(0) == 8
     assert router.choose(new, [0], [True]).matched == 8 and router.choose(old, [0], [True]).matched == 0
+    # a chain loses its deepest keys first: what is left of it still matches from the start
+    router.routed(0, old[:4])
+    assert router.choose(new, [0], [True]).matched == 4 and router.choose(old, [0], [True]).matched == 4
 
 
 def test_merged_snapshot_sums_engines() -> None:
@@ -160,10 +166,154 @@ def test_replicas_without_ray_names_the_extra(tiny_llama: Path, monkeypatch: pyt
     assert "pip install 'specserve[ray]'" in capsys.readouterr().err
 
 
-# -- two replicas on a local Ray cluster ----------------------------------------------------------------
+# -- the pool over scripted replicas (Ray imported, no cluster) ----------------------------------------
+
 
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="Ray Serve not installed (pip install -e '.[ray]')")
 
+
+class ScriptedStream:
+    """A replica's generate() stream as a Serve handle returns it: `items`, then it waits (a long
+    generation) until cancelled, when it raises what Serve raises; `fail` is raised instead of waiting."""
+
+    def __init__(self, items: list[object], fail: BaseException | None = None) -> None:
+        self.items = list(items)
+        self.fail = fail
+        self.cancelled = False
+        self._wake = asyncio.Event()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._wake.set()
+
+    async def __anext__(self) -> object:
+        from ray.serve.exceptions import RequestCancelledError
+
+        if self.items and not self.cancelled:
+            return self.items.pop(0)
+        if self.fail is not None and not self.cancelled:
+            raise self.fail
+        await self._wake.wait()
+        raise RequestCancelledError()
+
+
+class ScriptedReplica:
+    """A DeploymentHandle whose generate() answers with `first`, then `then`."""
+
+    def __init__(self, first: object, then: list[object] | None = None, fail: BaseException | None = None) -> None:
+        self.script = (first, then or [], fail)
+        self.streams: list[ScriptedStream] = []
+        self.generate = types.SimpleNamespace(remote=self._generate)
+
+    def options(self, **_: object) -> ScriptedReplica:
+        return self
+
+    def _generate(self, requests: list[object]) -> ScriptedStream:
+        first, then, fail = self.script
+        self.streams.append(ScriptedStream([first, *then], fail))
+        return self.streams[-1]
+
+
+def scripted_pool(*replicas: ScriptedReplica):  # type: ignore[no-untyped-def]
+    from specserve.server.replicas import ReplicaPool
+
+    return ReplicaPool([f"r{i}" for i in range(len(replicas))], list(replicas),  # type: ignore[arg-type]
+                       Router(RoutingConfig(policy="round-robin"), len(replicas)))
+
+
+REQUEST = [types.SimpleNamespace(request_id="a", prompt="hello", params=None)]
+
+
+@needs_ray
+def test_pool_offers_a_request_to_the_next_replica_unless_it_is_invalid() -> None:
+    """A full replica (429) or one going away passes the request on, and one going away is not routed
+    to again; 429 is the answer only when every replica is full; a request the replica finds invalid
+    is refused at once with its field, not offered to the others."""
+    from specserve.errors import InvalidRequestError
+    from specserve.server.engine_loop import QueueFullError
+    from specserve.server.replicas import ADMITTED, Refusal
+
+    async def run() -> None:
+        full, leaving, ok = Refusal("queue_full", "full"), Refusal("shutting_down", "bye"), ADMITTED
+        pool = scripted_pool(ScriptedReplica(full), ScriptedReplica(full))
+        with pytest.raises(QueueFullError):
+            await pool.submit(REQUEST)
+        assert [r.in_flight for r in pool.replicas()] == [0, 0]
+
+        pool = scripted_pool(ScriptedReplica(leaving), ScriptedReplica(full))
+        with pytest.raises(QueueFullError):
+            await pool.submit(REQUEST)
+
+        a, b = ScriptedReplica(leaving), ScriptedReplica(ok)
+        pool = scripted_pool(a, b)
+        stream = await pool.submit(REQUEST)
+        assert [r.up for r in pool.replicas()] == [False, True] and [r.in_flight for r in pool.replicas()] == [0, 1]
+        stream.close()
+        await pool.submit(REQUEST)
+        assert len(a.streams) == 1 and len(b.streams) == 2
+
+        a, b = ScriptedReplica(Refusal("invalid", "too long", "prompt")), ScriptedReplica(ok)
+        pool = scripted_pool(a, b)
+        with pytest.raises(InvalidRequestError) as e:
+            await pool.submit(REQUEST)
+        assert e.value.field == "prompt" and not b.streams
+
+    asyncio.run(run())
+
+
+@needs_ray
+def test_pool_client_gone_is_not_a_replica_failure() -> None:
+    """A reader cancelled while it waits, its stream closed right after (the order a non-streaming
+    handler uses when its client hangs up), aborts the request in the replica and releases its load,
+    and the replica stays up; a stream dropped before anyone read it does the same when collected."""
+    from specserve.server.replicas import ADMITTED
+
+    async def run() -> None:
+        replica = ScriptedReplica(ADMITTED)
+        pool = scripted_pool(replica)
+        stream = await pool.submit(REQUEST)
+        reader = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        stream.close()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert replica.streams[0].cancelled and pool.replicas()[0].up and pool.replicas()[0].in_flight == 0
+
+        stream = await pool.submit(REQUEST)
+        assert pool.replicas()[0].in_flight == 1
+        del stream
+        gc.collect()
+        await asyncio.sleep(0.01)
+        assert replica.streams[1].cancelled and pool.replicas()[0].in_flight == 0 and pool.replicas()[0].up
+
+    asyncio.run(run())
+
+
+@needs_ray
+def test_pool_replica_death_is_503_and_routes_around_it() -> None:
+    """A replica whose actor dies mid-stream ends the stream with EngineUnavailable naming it and is
+    not routed to until a health poll finds it again; the request's load is released."""
+    from ray.exceptions import ActorDiedError
+
+    from specserve.server.engine_loop import EngineUnavailable
+    from specserve.server.replicas import ADMITTED
+
+    async def run() -> None:
+        dying, other = ScriptedReplica(ADMITTED, fail=ActorDiedError()), ScriptedReplica(ADMITTED)
+        pool = scripted_pool(dying, other)
+        stream = await pool.submit(REQUEST)
+        with pytest.raises(EngineUnavailable, match="r0"):
+            await stream.__anext__()
+        assert [r.up for r in pool.replicas()] == [False, True] and [r.in_flight for r in pool.replicas()] == [0, 0]
+        await pool.submit(REQUEST)
+        await pool.submit(REQUEST)
+        assert len(dying.streams) == 1 and len(other.streams) == 2
+
+    asyncio.run(run())
+
+
+# -- two replicas on a local Ray cluster ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -236,27 +386,46 @@ def test_conversation_turns_stay_on_one_replica(cluster: Server) -> None:
     hits_before = cluster.metrics()["specserve_prefix_cache_hit_rate"]
     for k in range(3):
         assert _routed_to(cluster, chat(k, 2)) == homes[k]
-    time.sleep(1.5)
-    assert cluster.metrics()["specserve_prefix_cache_hit_rate"] > hits_before
+    deadline = time.monotonic() + 10  # until the next health poll brings the replicas' counters
+    while cluster.metrics()["specserve_prefix_cache_hit_rate"] <= hits_before:
+        assert time.monotonic() < deadline, "the second turns found no cached prefix"
+        time.sleep(0.2)
+
+
+def _wait_idle_and_up(server: Server, timeout: float = 5.0) -> dict[str, float]:
+    """Poll until no replica runs a request or holds a KV block; assert both replicas stayed up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        assert sorted(v for k, v in m.items() if k.startswith("specserve_replica_up")) == [1, 1], server.log()
+        if m["specserve_kv_blocks_used"] == 0 and m["specserve_num_requests_running"] == 0 and \
+                replica_of_flight(server) is None:
+            return m
+        assert time.monotonic() < deadline, f"still busy: {m}\n{server.log()}"
+        time.sleep(0.1)
 
 
 @needs_ray
 def test_client_gone_frees_replica_blocks(cluster: Server) -> None:
-    """A stream the client drops is aborted in its replica: no KV block stays held."""
+    """A stream the client drops, or a JSON answer it stops waiting for, is aborted in its replica:
+    it stops running at once, no KV block stays held, and the replica is not taken for dead."""
+    aborted = cluster.metrics().get('specserve_requests_total{status="abort"}', 0)
     with httpx.stream("POST", f"{cluster.base}/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": "drop me", "max_tokens": 900, "stream": True,
                             "ignore_eos": True}) as r:
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # held: a dropped line iterator would close the connection here
+        for line in lines:
             if line.startswith("data: {"):
                 break
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = cluster.metrics()
-        if m["specserve_kv_blocks_used"] == 0 and replica_of_flight(cluster) is None and \
-                m["specserve_num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["specserve_kv_blocks_used"] == 0, cluster.log()
+        assert replica_of_flight(cluster) is not None
+    _wait_idle_and_up(cluster)
+    body = {"model": MODEL, "prompt": "wait for me", "max_tokens": 900, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base, timeout=0.5) as impatient:
+        with pytest.raises(httpx.TimeoutException):
+            impatient.post("/v1/completions", json=body)
+    m = _wait_idle_and_up(cluster)
+    assert m['specserve_requests_total{status="abort"}'] == aborted + 2
+    assert "unavailable" not in cluster.log()
 
 
 def _replica_pid(name: str) -> int:

@@ -459,12 +459,46 @@ def test_disconnect_while_waiting_for_a_json_answer(server: Server) -> None:
     """A non-streaming client that gives up (timeout, closed socket) aborts its request too."""
     aborted = server.metrics()['specserve_requests_total{status="abort"}']
     body = {"model": MODEL, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True}
-    with httpx.Client(base_url=server.base, timeout=0.15) as impatient:
+    with httpx.Client(base_url=server.base, timeout=0.5) as impatient:  # long enough to be admitted
         with pytest.raises(httpx.TimeoutException):
             impatient.post("/v1/completions", json=body)
     _wait_for_abort_count(server, aborted + 1)
     now = server.metrics()
     assert now["specserve_kv_blocks_used"] == 0 and now["specserve_num_requests_running"] == 0
+
+
+def test_stream_dropped_unread_aborts_its_requests(tiny_llama: Path) -> None:
+    """A stream nobody reads or closes (its client left before the response began) aborts its
+    requests when it is collected, instead of generating to max_tokens for nobody."""
+    import gc
+
+    from specserve.server.engine_loop import AsyncEngine, EngineRequest
+
+    inner = LLM(str(tiny_llama), max_model_len=1024).engine
+    aborted: list[str] = []
+    abort = inner.abort_request
+    inner.abort_request = lambda rid: (aborted.append(rid), abort(rid))[1]  # type: ignore[method-assign]
+    engine = AsyncEngine(inner, max_waiting=8)
+    ids = [f"dropped-{i}" for i in range(4)]
+
+    async def run() -> None:
+        engine.start()
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        stream = await engine.submit([EngineRequest(rid, "go on and on", params) for rid in ids])
+        await asyncio.sleep(0.1)
+        assert engine.snapshot().stats.num_running == 4
+        del stream
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while engine.snapshot().stats.num_running or engine.snapshot().stats.kv_blocks_used:
+            assert time.monotonic() < deadline, engine.snapshot()
+            await asyncio.sleep(0.02)
+        assert sorted(aborted) == ids  # aborted, not run to their length
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.stop()
 
 
 def _wait_for_abort_count(server: Server, count: float, timeout: float = 1.0) -> None:

@@ -70,6 +70,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="CPUs Ray reserves for each replica; its engine's threads default to this (default: 1)")
     r.add_argument("--replica-gpus", type=float, default=None,
                    help="GPUs Ray reserves for each replica (default: 1 with --device cuda, else 0)")
+    r.add_argument("--replica-start-timeout", type=float, default=900.0,
+                   help="seconds every replica has to be placed and load its model before the start fails, "
+                        "naming the replicas still pending (default: 900)")
     r.add_argument("--routing", default="affinity", choices=ROUTING_POLICIES,
                    help="how a request picks its replica: affinity (the replica that was sent the longest prefix "
                         "of its prompt, unless it is loaded well above the least loaded), round-robin, or "
@@ -129,17 +132,16 @@ def _serve_replicas(a: argparse.Namespace, engine_args: EngineArgs, options: Ser
 
     gpus = a.replica_gpus if a.replica_gpus is not None else (1.0 if engine_args.device.startswith("cuda") else 0.0)
     replica_options = ReplicaOptions(replicas=a.replicas, app_prefix=a.ray_app_name, cpus=a.replica_cpus,
-                                     gpus=gpus, max_waiting=a.max_waiting)
+                                     gpus=gpus, max_waiting=a.max_waiting, start_timeout_s=a.replica_start_timeout)
     router = Router(RoutingConfig(policy=a.routing), a.replicas)
     local = connect(a.ray_address)
-    logger.info("deploying %d engine replica(s) on Ray Serve", a.replicas)
-    try:
-        handles = deploy_replicas(engine_args, replica_options)
-    except ReplicaStartError as e:
-        disconnect(replica_options, local)
-        print(f"specserve: error: {e}", file=sys.stderr)
-        return 1
-    try:
+    try:  # from here on, Ctrl-C or an error still takes the replicas (and a local cluster) down
+        logger.info("deploying %d engine replica(s) on Ray Serve", a.replicas)
+        try:
+            handles = deploy_replicas(engine_args, replica_options)
+        except ReplicaStartError as e:
+            print(f"specserve: error: {e}", file=sys.stderr)
+            return 1
         model = handles[0].describe.remote().result()
         pool = ReplicaPool(replica_options.names(), handles, router)
         limits, backlog = fit_to_fd_limit(limits)

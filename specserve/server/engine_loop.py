@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import Any, AsyncIterator, Callable, Generic, Protocol, Sequence, TypeVar
@@ -165,12 +166,15 @@ def _copy_spec(c: DraftCounters) -> DraftCounters:
 class RequestStream:
     """The outputs of a group of engine requests (e.g. the n choices of one HTTP request), in
     the order the engine emits them; ends when every request has finished. `close()` aborts the
-    unfinished ones (a client that went away) and is safe to call more than once."""
+    unfinished ones (a client that went away) and is safe to call more than once. A stream dropped
+    without being closed (its handler never ran: the client left first) aborts them when collected."""
 
     def __init__(self, owner: AsyncEngine, request_ids: Sequence[str], queue: asyncio.Queue[Any]) -> None:
         self._owner = owner
         self._queue = queue
         self._unfinished = set(request_ids)
+        finalizer = weakref.finalize(self, _abandon, owner, self._unfinished)
+        finalizer.atexit = False
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -192,6 +196,14 @@ class RequestStream:
         if self._unfinished:
             self._owner.abort(sorted(self._unfinished))
             self._unfinished.clear()
+
+
+def _abandon(owner: AsyncEngine, unfinished: set[str]) -> None:
+    """A RequestStream was collected with requests unfinished: abort them (from any thread)."""
+    if unfinished:
+        ids = sorted(unfinished)
+        unfinished.clear()
+        owner.abort_threadsafe(ids)
 
 
 class _Reply(Generic[T]):
@@ -331,6 +343,15 @@ class AsyncEngine:
         for rid in ids:
             self._routes.pop(rid, None)
         self._send(lambda engine: self._abort(engine, ids))
+
+    def abort_threadsafe(self, request_ids: Sequence[str]) -> None:
+        """`abort`, from any thread (a garbage collector's finalizer)."""
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self.abort, list(request_ids))
+        except RuntimeError:  # the loop has closed: nothing runs any more
+            pass
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps (tokenizing, reading config)."""

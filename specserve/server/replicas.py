@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -23,6 +25,8 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from ray import serve
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from specserve.engine.engine import LLMEngine
@@ -151,12 +155,15 @@ class ReplicaOptions:
     gpus: float = 0.0
     max_waiting: int = 256
     health_check_period_s: float = 2.0
+    start_timeout_s: float = 900.0  # for every replica to be placed and load its model
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
         if self.cpus < 0 or self.gpus < 0:
             raise ValueError(f"replica_cpus/replica_gpus: must be >= 0, got {self.cpus}/{self.gpus}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"replica_start_timeout: must be > 0, got {self.start_timeout_s}")
 
     def names(self) -> list[str]:
         return [f"{self.app_prefix}-{i}" for i in range(self.replicas)]
@@ -193,20 +200,37 @@ def deploy_replicas(engine_args: EngineArgs, options: ReplicaOptions) -> list[De
             logging_config={"enable_access_log": False, "log_level": "WARNING"},  # the front end logs requests
         ).bind(args, options.max_waiting)
         targets.append(serve.RunTarget(app, name=name, route_prefix=None))
-    try:
-        return list(serve.run_many(targets))
-    except RuntimeError as e:
-        status = serve.status().applications
-        for name in options.names():
-            app_status = status.get(name)
-            if app_status is None or str(app_status.status).endswith("RUNNING"):
+    handles = list(serve.run_many(targets, wait_for_applications_running=False))
+    _wait_running(options.names(), options.start_timeout_s)
+    return handles
+
+
+def _wait_running(names: Sequence[str], timeout: float, poll: float = 0.5) -> None:
+    """Wait until every application runs; raise ReplicaStartError naming the first that failed (with
+    its replica's error), or, after `timeout` seconds, those still starting and what Serve says."""
+    deadline = time.monotonic() + timeout
+    while True:
+        apps = serve.status().applications
+        pending = []
+        for name in names:
+            app = apps.get(name)
+            status = str(app.status).rsplit(".", 1)[-1] if app is not None else "NOT_STARTED"
+            if status == "RUNNING":
                 continue
-            for dep in app_status.deployments.values():
-                if dep.message:
-                    raise ReplicaStartError(f"engine replica {name} failed to start: "
-                                            f"{_last_error_line(dep.message)}") from None
-            raise ReplicaStartError(f"engine replica {name} failed to start: {app_status.message}") from None
-        raise ReplicaStartError(f"deploying the engine replicas failed: {e}") from None
+            if app is not None and status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                for dep in app.deployments.values():
+                    if dep.message:
+                        raise ReplicaStartError(f"engine replica {name} failed to start: "
+                                                f"{_last_error_line(dep.message)}")
+                raise ReplicaStartError(f"engine replica {name} failed to start: {app.message or status}")
+            detail = "; ".join(d.message for d in app.deployments.values() if d.message) if app is not None else ""
+            pending.append(f"{name} ({status}{': ' + _last_error_line(detail) if detail else ''})")
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise ReplicaStartError(f"engine replicas not running after {timeout:g} s: {', '.join(pending)} "
+                                    "(is the cluster short of the CPUs/GPUs each replica asks for?)")
+        time.sleep(poll)
 
 
 def delete_replicas(options: ReplicaOptions) -> None:
@@ -239,60 +263,92 @@ class _Replica:
         self.snapshot: EngineSnapshot | None = None
 
 
-class RemoteStream:
-    """A replica's output stream of one group of requests (OutputStream)."""
+class _Lease:
+    """A request group's hold on a replica: counted in its load until released (once)."""
 
     def __init__(self, pool: ReplicaPool, index: int, gen: DeploymentResponseGenerator, count: int) -> None:
-        self._pool = pool
-        self._index = index
-        self._gen = gen
-        self._count = count
-        self._open = True
-        self._shutdown = False
+        self.pool = pool
+        self.index = index
+        self.gen = gen
+        self.count = count
+        self.open = True
+        self.shutdown = False  # cancelled for the server's shutdown
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            self.pool.released(self)
+
+    def cancel(self) -> None:
+        """Abort the group in the replica (its generate() is cancelled) and release the hold."""
+        if self.open:
+            self.gen.cancel()
+            self.release()
+
+    def shut_down(self) -> None:
+        """Abort for the server's shutdown: its reader gets ServerShuttingDown."""
+        if self.open:
+            self.shutdown = True
+            self.gen.cancel()
+
+    def abandon_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self.cancel)
+        except RuntimeError:  # the loop has closed
+            pass
+
+
+def _is_replica_failure(error: BaseException) -> bool:
+    """Did the replica (its actor) die, or stop answering? Not: an error raised by the call itself,
+    or a call cancelled (by Serve, say while it shuts the replica down)."""
+    if isinstance(error, RayActorError):
+        return True
+    return not isinstance(error, (RayTaskError, TaskCancelledError, RequestCancelledError))
+
+
+class RemoteStream:
+    """A replica's output stream of one group of requests (OutputStream). Dropped without being
+    closed (the client left before its handler read it), it aborts the group when collected."""
+
+    def __init__(self, lease: _Lease) -> None:
+        self._lease = lease
+        finalizer = weakref.finalize(self, lease.abandon_threadsafe, asyncio.get_running_loop())
+        finalizer.atexit = False
 
     def __aiter__(self) -> RemoteStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._open:
+        lease = self._lease
+        if not lease.open:
             raise StopAsyncIteration
         try:
-            item = await self._gen.__anext__()
+            item = await lease.gen.__anext__()
         except StopAsyncIteration:
-            self._end()
+            lease.release()
             raise
-        except asyncio.CancelledError:
-            if not self._shutdown:
-                raise
-            self._end()
-            raise ServerShuttingDown("the server is shutting down; the request was aborted") from None
-        except Exception as e:  # noqa: BLE001 - the replica died, or the stream was cancelled
-            self._end()
-            if self._shutdown:
+        except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - sorted out below
+            was_open = lease.open  # else its reader closed it (and was cancelled) while this waited
+            lease.cancel()  # the group is over here, whatever happened
+            if lease.shutdown:
                 raise ServerShuttingDown("the server is shutting down; the request was aborted") from None
-            name = self._pool.lost(self._index, e)
+            if not was_open or isinstance(e, asyncio.CancelledError):
+                raise asyncio.CancelledError() from None
+            name = lease.pool.name(lease.index)
+            if not _is_replica_failure(e):
+                logger.error("engine replica %s ended a request: %s", name,
+                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+                raise EngineUnavailable(f"engine replica {name} ended the request; retry") from None
+            lease.pool.lost(lease.index, e)
             raise EngineUnavailable(f"engine replica {name} failed while generating; the request was aborted "
                                     "(it is being restarted): retry") from None
         if isinstance(item, Refusal):
-            self._end()
-            raise item.error(self._pool.name(self._index))
+            lease.release()
+            raise item.error(lease.pool.name(lease.index))
         return item  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        if self._open:
-            self._gen.cancel()
-            self._end()
-
-    def shut_down(self) -> None:
-        """Abort for the server's shutdown: the reader gets ServerShuttingDown."""
-        if self._open:
-            self._shutdown = True
-            self._gen.cancel()
-
-    def _end(self) -> None:
-        if self._open:
-            self._open = False
-            self._pool.released(self, self._count)
+        self._lease.cancel()
 
 
 class ReplicaPool:
@@ -313,7 +369,8 @@ class ReplicaPool:
         self._poll_interval = poll_interval
         self._admit_timeout = admit_timeout
         self._call_timeout = call_timeout
-        self._streams: set[RemoteStream] = set()
+        self._leases: set[_Lease] = set()  # request groups open on the replicas
+        self._admitting = 0  # submits waiting for a replica to admit their group
         self._poller: asyncio.Task[None] | None = None
         self._draining = False
         self._stopped = False
@@ -330,20 +387,20 @@ class ReplicaPool:
         self._stopped = True
         if self._poller is not None:
             self._poller.cancel()
-        for stream in list(self._streams):
-            stream.shut_down()
+        for lease in list(self._leases):
+            lease.shut_down()
 
     async def drain(self, timeout: float) -> None:
         self._draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self._streams and loop.time() < deadline:
+        while (self._leases or self._admitting) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self._streams:
+        if self._leases:
             logger.warning("shutdown: aborting %d request group(s) still running after %.3g s",
-                           len(self._streams), timeout)
-            for stream in list(self._streams):
-                stream.shut_down()
+                           len(self._leases), timeout)
+            for lease in list(self._leases):
+                lease.shut_down()
             await asyncio.sleep(0)
 
     @property
@@ -366,14 +423,24 @@ class ReplicaPool:
             raise ServerShuttingDown("the server is shutting down")
         source = _affinity_source(requests[0].prompt) if requests else None
         keys = self._router.keys(source) if source is not None else []
+        self._admitting += 1
+        try:
+            return await self._admit(requests, keys)
+        finally:
+            self._admitting -= 1
+
+    async def _admit(self, requests: Sequence[EngineRequest], keys: Sequence[bytes]) -> RemoteStream:
+        """Offer the group to replicas in the router's order until one admits it. A replica that is
+        down, full or going away is passed over; an invalid request is refused at the first."""
         count = len(requests)
         tried: set[int] = set()
+        full: Exception | None = None  # a replica's 429: the answer when every replica refused
         last: Exception = EngineUnavailable("no engine replica is available; retry later")
         while True:
             usable = [r.up and i not in tried for i, r in enumerate(self._replicas)]
             decision = self._router.choose(keys, [r.in_flight for r in self._replicas], usable)
             if decision is None:
-                raise last
+                raise full or last
             i = decision.replica
             tried.add(i)
             replica = self._replicas[i]
@@ -395,12 +462,16 @@ class ReplicaPool:
                 replica.in_flight -= count
                 last = first.error(replica.name)
                 if first.kind == "queue_full":
-                    continue  # another replica may have room
+                    full = last  # another replica may have room
+                    continue
+                if first.kind in ("shutting_down", "engine"):  # this replica is going away or broken
+                    self.lost(i, last)
+                    continue
                 raise last
             self._record(decision, keys)
-            stream = RemoteStream(self, i, gen, count)
-            self._streams.add(stream)
-            return stream
+            lease = _Lease(self, i, gen, count)
+            self._leases.add(lease)
+            return RemoteStream(lease)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         usable = [i for i, r in enumerate(self._replicas) if r.up]
@@ -426,9 +497,9 @@ class ReplicaPool:
         self.prompt_blocks += len(keys)
         self.matched_blocks += decision.matched
 
-    def released(self, stream: RemoteStream, count: int) -> None:
-        self._streams.discard(stream)
-        self._replicas[stream._index].in_flight -= count
+    def released(self, lease: _Lease) -> None:
+        self._leases.discard(lease)
+        self._replicas[lease.index].in_flight -= lease.count
 
     def lost(self, index: int, error: BaseException) -> str:
         """A call to replica `index` failed: route around it until a poll finds it again."""
@@ -437,6 +508,7 @@ class ReplicaPool:
             logger.warning("engine replica %s is unavailable (%s: %s)", replica.name, type(error).__name__,
                            str(error).splitlines()[0] if str(error) else "")
         replica.up = False
+        replica.snapshot = None  # its load and cache no longer count in the merged metrics
         return replica.name
 
     # -- health ------------------------------------------------------------------

@@ -86,7 +86,7 @@ class PrefixIndex:
 
     def add(self, replica: int, keys: Sequence[bytes]) -> None:
         held = self._held[replica]
-        for key in keys:
+        for key in reversed(keys):  # a chain is matched from its first key: keep that one longest
             held[key] = None
             held.move_to_end(key)
         while len(held) > self._capacity:
