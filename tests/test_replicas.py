@@ -172,46 +172,48 @@ def test_replicas_without_ray_names_the_extra(tiny_llama: Path, monkeypatch: pyt
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="Ray Serve not installed (pip install -e '.[ray]')")
 
 
-class ScriptedStream:
-    """A replica's generate() stream as a Serve handle returns it: `items`, then it waits (a long
-    generation) until cancelled, when it raises what Serve raises; `fail` is raised instead of waiting."""
+class Feed:
+    """A replica's output stream as a Serve handle returns it: lists pushed by the test, or an error."""
 
-    def __init__(self, items: list[object], fail: BaseException | None = None) -> None:
-        self.items = list(items)
-        self.fail = fail
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.cancelled = False
-        self._wake = asyncio.Event()
 
     def cancel(self) -> None:
         self.cancelled = True
-        self._wake.set()
+
+    def push(self, item: object) -> None:
+        self.queue.put_nowait(item)
+
+    def __aiter__(self) -> Feed:
+        return self
 
     async def __anext__(self) -> object:
-        from ray.serve.exceptions import RequestCancelledError
-
-        if self.items and not self.cancelled:
-            return self.items.pop(0)
-        if self.fail is not None and not self.cancelled:
-            raise self.fail
-        await self._wake.wait()
-        raise RequestCancelledError()
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 class ScriptedReplica:
-    """A DeploymentHandle whose generate() answers with `first`, then `then`."""
+    """A DeploymentHandle of an EngineReplica: add() answers `first`; outputs() is a Feed the test
+    fills; abort() is recorded."""
 
-    def __init__(self, first: object, then: list[object] | None = None, fail: BaseException | None = None) -> None:
-        self.script = (first, then or [], fail)
-        self.streams: list[ScriptedStream] = []
-        self.generate = types.SimpleNamespace(remote=self._generate)
+    def __init__(self, first: object) -> None:
+        self.first = first
+        self.adds: list[str] = []
+        self.aborted: list[str] = []
+        self.feed = Feed()
+        self.add = types.SimpleNamespace(remote=self._add)
+        self.abort = types.SimpleNamespace(remote=lambda sub, groups: self.aborted.extend(groups))
+        self.outputs = types.SimpleNamespace(remote=lambda sub: self.feed)
 
     def options(self, **_: object) -> ScriptedReplica:
         return self
 
-    def _generate(self, requests: list[object]) -> ScriptedStream:
-        first, then, fail = self.script
-        self.streams.append(ScriptedStream([first, *then], fail))
-        return self.streams[-1]
+    async def _add(self, subscriber: str, group: str, requests: list[object]) -> object:
+        self.adds.append(group)
+        return self.first
 
 
 def scripted_pool(*replicas: ScriptedReplica):  # type: ignore[no-untyped-def]
@@ -221,7 +223,11 @@ def scripted_pool(*replicas: ScriptedReplica):  # type: ignore[no-untyped-def]
                        Router(RoutingConfig(policy="round-robin"), len(replicas)))
 
 
-REQUEST = [types.SimpleNamespace(request_id="a", prompt="hello", params=None)]
+def group_of(rid: str) -> list[types.SimpleNamespace]:
+    return [types.SimpleNamespace(request_id=rid, prompt="hello", params=None)]
+
+
+REQUEST = group_of("a")
 
 
 @needs_ray
@@ -250,13 +256,37 @@ def test_pool_offers_a_request_to_the_next_replica_unless_it_is_invalid() -> Non
         assert [r.up for r in pool.replicas()] == [False, True] and [r.in_flight for r in pool.replicas()] == [0, 1]
         stream.close()
         await pool.submit(REQUEST)
-        assert len(a.streams) == 1 and len(b.streams) == 2
+        assert len(a.adds) == 1 and len(b.adds) == 2
 
         a, b = ScriptedReplica(Refusal("invalid", "too long", "prompt")), ScriptedReplica(ok)
         pool = scripted_pool(a, b)
         with pytest.raises(InvalidRequestError) as e:
             await pool.submit(REQUEST)
-        assert e.value.field == "prompt" and not b.streams
+        assert e.value.field == "prompt" and not b.adds
+
+    asyncio.run(run())
+
+
+@needs_ray
+def test_pool_demultiplexes_one_replica_stream_into_groups() -> None:
+    """Outputs of several groups arrive mixed in the replica's messages; each stream gets its own,
+    in order, and ends at its group's end (with the replica's error, if the group failed)."""
+    from specserve.server.engine_loop import GenerationFailed
+    from specserve.server.replicas import ADMITTED, GroupEnd, Refusal
+
+    async def run() -> None:
+        replica = ScriptedReplica(ADMITTED)
+        pool = scripted_pool(replica)
+        x, y = await pool.submit(group_of("x")), await pool.submit(group_of("y"))
+        kx, ky = replica.adds
+        out = [types.SimpleNamespace(request_id=rid, step=k) for k in range(2) for rid in "xy"]
+        replica.feed.push([out[0], out[1], out[2]])
+        replica.feed.push([out[3], GroupEnd(ky, Refusal("failed", "boom")), GroupEnd(kx)])
+        assert [o.step async for o in x] == [0, 1]
+        assert (await y.__anext__()).step == 0 and (await y.__anext__()).step == 1
+        with pytest.raises(GenerationFailed, match="boom"):
+            await y.__anext__()
+        assert pool.replicas()[0].in_flight == 0 and not replica.aborted
 
     asyncio.run(run())
 
@@ -264,7 +294,7 @@ def test_pool_offers_a_request_to_the_next_replica_unless_it_is_invalid() -> Non
 @needs_ray
 def test_pool_client_gone_is_not_a_replica_failure() -> None:
     """A reader cancelled while it waits, its stream closed right after (the order a non-streaming
-    handler uses when its client hangs up), aborts the request in the replica and releases its load,
+    handler uses when its client hangs up), aborts the group in the replica and releases its load,
     and the replica stays up; a stream dropped before anyone read it does the same when collected."""
     from specserve.server.replicas import ADMITTED
 
@@ -278,39 +308,85 @@ def test_pool_client_gone_is_not_a_replica_failure() -> None:
         stream.close()
         with pytest.raises(asyncio.CancelledError):
             await reader
-        assert replica.streams[0].cancelled and pool.replicas()[0].up and pool.replicas()[0].in_flight == 0
+        assert replica.aborted == replica.adds[:1]
+        assert pool.replicas()[0].up and pool.replicas()[0].in_flight == 0
 
         stream = await pool.submit(REQUEST)
         assert pool.replicas()[0].in_flight == 1
         del stream
         gc.collect()
         await asyncio.sleep(0.01)
-        assert replica.streams[1].cancelled and pool.replicas()[0].in_flight == 0 and pool.replicas()[0].up
+        assert replica.aborted == replica.adds and pool.replicas()[0].in_flight == 0 and pool.replicas()[0].up
 
     asyncio.run(run())
 
 
 @needs_ray
 def test_pool_replica_death_is_503_and_routes_around_it() -> None:
-    """A replica whose actor dies mid-stream ends the stream with EngineUnavailable naming it and is
-    not routed to until a health poll finds it again; the request's load is released."""
+    """A replica whose actor dies mid-stream ends its streams with EngineUnavailable naming it and is
+    not routed to until a health poll finds it again; the requests' load is released."""
     from ray.exceptions import ActorDiedError
 
     from specserve.server.engine_loop import EngineUnavailable
     from specserve.server.replicas import ADMITTED
 
     async def run() -> None:
-        dying, other = ScriptedReplica(ADMITTED, fail=ActorDiedError()), ScriptedReplica(ADMITTED)
+        dying, other = ScriptedReplica(ADMITTED), ScriptedReplica(ADMITTED)
         pool = scripted_pool(dying, other)
         stream = await pool.submit(REQUEST)
+        dying.feed.push(ActorDiedError())
         with pytest.raises(EngineUnavailable, match="r0"):
             await stream.__anext__()
         assert [r.up for r in pool.replicas()] == [False, True] and [r.in_flight for r in pool.replicas()] == [0, 0]
         await pool.submit(REQUEST)
         await pool.submit(REQUEST)
-        assert len(dying.streams) == 1 and len(other.streams) == 2
+        assert len(dying.adds) == 1 and len(other.adds) == 2
 
     asyncio.run(run())
+
+
+@needs_ray
+def test_replica_streams_every_group_to_its_subscriber_and_aborts_them_when_it_leaves(tiny_llama: Path) -> None:
+    """The replica's side, in this process: two groups' outputs come mixed in one output stream, each
+    request's last output finished and its group's end after it, greedy text equal to the engine's;
+    when the subscription ends (its front end went away) the groups still running are aborted."""
+    from specserve.entrypoints.engine_args import EngineArgs
+    from specserve.server.engine_loop import EngineRequest
+    from specserve.server.replicas import ADMITTED, EngineReplica, GroupEnd
+
+    replica = EngineReplica(EngineArgs(model=str(tiny_llama), max_model_len=1024), max_waiting=8)
+    aborted: list[str] = []
+    inner = replica._llm.engine
+    abort = inner.abort_request
+    inner.abort_request = lambda rid: (aborted.append(rid), abort(rid))[1]  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(str(tiny_llama), max_model_len=1024).generate(["one", "two"], greedy, use_tqdm=False)
+
+    async def run() -> None:
+        feed = replica.outputs("front")
+        first = asyncio.ensure_future(feed.__anext__())
+        assert await replica.add("front", "g1", [EngineRequest("r1", "one", greedy)]) == ADMITTED
+        assert await replica.add("front", "g2", [EngineRequest("r2", "two", greedy)]) == ADMITTED
+        items, ended = await first, []
+        while len(ended) < 2:
+            items += await feed.__anext__()
+            ended = [i.group for i in items if isinstance(i, GroupEnd)]
+        last = {i.request_id: i for i in items if not isinstance(i, GroupEnd)}
+        assert [last["r1"].text, last["r2"].text] == [w.text for w in want]
+        assert sorted(ended) == ["g1", "g2"] and all(i.refusal is None for i in items if isinstance(i, GroupEnd))
+        long = SamplingParams(max_tokens=900, ignore_eos=True)
+        assert await replica.add("front", "g3", [EngineRequest("r3", "three", long)]) == ADMITTED
+        assert any(i.request_id == "r3" for i in await feed.__anext__())  # running
+        await feed.aclose()  # the subscriber is gone
+        deadline = time.monotonic() + 1
+        while aborted != ["r3"]:  # aborted, not run to its length (seconds)
+            assert time.monotonic() < deadline, "the group of a departed subscriber kept running"
+            await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(run())
+    finally:
+        replica._engine.stop()
 
 
 # -- two replicas on a local Ray cluster ----------------------------------------------------------------
@@ -455,7 +531,8 @@ def test_replica_death_ends_its_requests_with_503_and_it_comes_back(cluster: Ser
         assert time.monotonic() - killed < 10
     errors = [e["error"] for e in events if "error" in e]
     assert errors and errors[0]["code"] == "engine_unavailable" and victim in errors[0]["message"], events[-2:]
-    ok = cluster.openai.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+    ok = cluster.openai.completions.create(model=MODEL, prompt="still serving", max_tokens=3,
+                                           extra_body={"ignore_eos": True})
     assert ok.choices[0].finish_reason == "length"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

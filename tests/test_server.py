@@ -458,8 +458,8 @@ def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
 def test_disconnect_while_waiting_for_a_json_answer(server: Server) -> None:
     """A non-streaming client that gives up (timeout, closed socket) aborts its request too."""
     aborted = server.metrics()['specserve_requests_total{status="abort"}']
-    body = {"model": MODEL, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True}
-    with httpx.Client(base_url=server.base, timeout=0.5) as impatient:  # long enough to be admitted
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 1000, "n": 8, "ignore_eos": True}  # seconds of work
+    with httpx.Client(base_url=server.base, timeout=0.3) as impatient:  # long enough to be admitted
         with pytest.raises(httpx.TimeoutException):
             impatient.post("/v1/completions", json=body)
     _wait_for_abort_count(server, aborted + 1)

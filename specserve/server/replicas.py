@@ -4,8 +4,13 @@ Each replica is a Ray Serve application of one deployment with one replica (`Eng
 AsyncEngine over its own model), so Serve places it, health-checks it and restarts it when it
 dies, and this process can address every replica by name. The HTTP front end is the single
 server's app over a `ReplicaPool`, an EngineClient that routes each request (specserve.server.routing),
-streams its outputs back through a Serve handle, and turns a replica's death into 503s for its
-requests in flight. Nothing here reaches into the engine beyond its public API and snapshots.
+adds it to the chosen replica, and turns a replica's death into 503s for its requests in flight.
+Nothing here reaches into the engine beyond its public API and snapshots.
+
+Outputs come back multiplexed: the pool holds one streaming call per replica (`outputs`), in which
+the replica sends, per engine pass, one message with the outputs of every group the pool has open
+on it; a message per request and token costs the replica's event loop (serialization, Ray's
+streaming protocol) about as much CPU as the engine's own Python work at batch 16 on two cores.
 
 Errors cross the process boundary as `Refusal` values, not pickled exceptions (an exception whose
 constructor takes other arguments than its message does not survive Ray's serialization).
@@ -37,7 +42,7 @@ from specserve.outputs import RequestOutput
 from specserve.server.app import ServedModel
 from specserve.server.engine_loop import (
     AsyncEngine, EngineError, EngineRequest, EngineSnapshot, EngineUnavailable, GenerationFailed, QueueFullError,
-    ServerShuttingDown, build_on_passing_thread, merge_snapshots,
+    RequestStream, ServerShuttingDown, build_on_passing_thread, merge_snapshots,
 )
 from specserve.server.routing import Decision, Router, messages_text
 from specserve.server.serving import ChatPrompt
@@ -45,7 +50,7 @@ from specserve.server.serving import ChatPrompt
 logger = logging.getLogger("specserve.server")
 
 T = TypeVar("T")
-ADMITTED = "admitted"  # a replica's first answer to generate(): the requests are in its engine
+ADMITTED = "admitted"  # a replica's answer to add(): the requests are in its engine
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,49 @@ class ReplicaState:
     snapshot: EngineSnapshot
 
 
+@dataclass(frozen=True)
+class GroupEnd:
+    """In a replica's output stream: the group has ended; refusal None when every request finished."""
+
+    group: str
+    refusal: Refusal | None = None
+
+
+class _Outbox:
+    """In a replica, one subscriber's outputs gathered between its reads, and its groups' pumps."""
+
+    def __init__(self) -> None:
+        self.items: list[RequestOutput | GroupEnd] = []
+        self.wake = asyncio.Event()
+        self.groups: dict[str, asyncio.Future[None]] = {}
+        self.readers = 0  # subscriptions so far; the latest one reads
+
+    def put(self, item: RequestOutput | GroupEnd) -> None:
+        self.items.append(item)
+        self.wake.set()
+
+    def abort(self, groups: Sequence[str]) -> None:
+        for group in groups:
+            pump = self.groups.pop(group, None)
+            if pump is not None:
+                pump.cancel()  # its stream closes: the engine aborts the requests
+
+
+async def _pump(box: _Outbox, group: str, stream: RequestStream) -> None:
+    """Move one group's outputs into the outbox, then its end (with the error, if it failed)."""
+    try:
+        async for out in stream:
+            box.put(out)
+        box.put(GroupEnd(group))
+    except asyncio.CancelledError:
+        raise  # aborted by its subscriber: nobody to tell
+    except Exception as e:  # noqa: BLE001 - handed to the pool
+        box.put(GroupEnd(group, Refusal.of(e)))
+    finally:
+        stream.close()
+        box.groups.pop(group, None)
+
+
 class EngineReplica:
     """One engine, as a Ray Serve deployment (methods called through DeploymentHandles)."""
 
@@ -99,28 +147,55 @@ class EngineReplica:
         self._instance = uuid.uuid4().hex
         self._llm = build_on_passing_thread(lambda: LLM.from_engine_args(engine_args))
         self._engine = AsyncEngine(self._llm.engine, max_waiting)
+        self._outboxes: dict[str, _Outbox] = {}  # by subscriber (a front end's pool)
 
     def _started(self) -> AsyncEngine:
         self._engine.start()  # binds the replica's event loop on the first call; a no-op after
         return self._engine
 
-    async def generate(self, requests: list[EngineRequest]) -> Any:
-        """Streams ADMITTED (or one Refusal), then every output of the requests, then ends; a
-        Refusal ends the stream early. Cancelling the stream (the client went away) aborts them."""
+    def _outbox(self, subscriber: str) -> _Outbox:
+        box = self._outboxes.get(subscriber)
+        if box is None:
+            box = self._outboxes[subscriber] = _Outbox()
+        return box
+
+    async def add(self, subscriber: str, group: str, requests: list[EngineRequest]) -> str | Refusal:
+        """Admit a group of requests (all or none): ADMITTED, or the Refusal. Their outputs, then
+        GroupEnd(group), go to the subscriber's output stream."""
         engine = self._started()
         try:
             stream = await engine.submit(requests)
         except Exception as e:  # noqa: BLE001 - handed to the pool
-            yield Refusal.of(e)
-            return
+            return Refusal.of(e)
+        box = self._outbox(subscriber)
+        box.groups[group] = asyncio.ensure_future(_pump(box, group, stream))
+        return ADMITTED
+
+    async def abort(self, subscriber: str, groups: list[str]) -> None:
+        """The subscriber has no one to give these groups' outputs to (its client left)."""
+        box = self._outboxes.get(subscriber)
+        if box is not None:
+            box.abort(groups)
+
+    async def outputs(self, subscriber: str) -> Any:
+        """The subscriber's output stream: lists of whatever outputs (and GroupEnds) of all its
+        groups arrived together, one message per engine pass rather than one per request and token.
+        When the subscriber goes away (the call is cancelled), its groups are aborted."""
+        self._started()
+        box = self._outbox(subscriber)
+        box.readers += 1
+        me = box.readers
         try:
-            yield ADMITTED
-            async for out in stream:
-                yield out
-        except Exception as e:  # noqa: BLE001 - handed to the pool
-            yield Refusal.of(e)
+            while True:
+                await box.wake.wait()
+                box.wake.clear()
+                items, box.items = box.items, []
+                if items:
+                    yield items
         finally:
-            stream.close()
+            if box.readers == me:  # not superseded by a newer subscription of the same subscriber
+                box.abort(list(box.groups))
+                self._outboxes.pop(subscriber, None)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T | Refusal:
         try:
@@ -264,15 +339,22 @@ class _Replica:
 
 
 class _Lease:
-    """A request group's hold on a replica: counted in its load until released (once)."""
+    """A request group's hold on a replica: its outputs as they arrive from the replica's channel,
+    and its requests counted in the replica's load until released (once)."""
 
-    def __init__(self, pool: ReplicaPool, index: int, gen: DeploymentResponseGenerator, count: int) -> None:
+    def __init__(self, pool: ReplicaPool, index: int, request_ids: Sequence[str]) -> None:
         self.pool = pool
         self.index = index
-        self.gen = gen
-        self.count = count
+        self.key = uuid.uuid4().hex
+        self.request_ids = list(request_ids)
+        self.count = len(self.request_ids)
+        self.queue: asyncio.Queue[RequestOutput | GroupEnd | BaseException] = asyncio.Queue()
         self.open = True
-        self.shutdown = False  # cancelled for the server's shutdown
+        self.shutdown = False  # ended for the server's shutdown
+
+    def deliver(self, item: RequestOutput | GroupEnd | BaseException) -> None:
+        if self.open:
+            self.queue.put_nowait(item)
 
     def release(self) -> None:
         if self.open:
@@ -280,16 +362,16 @@ class _Lease:
             self.pool.released(self)
 
     def cancel(self) -> None:
-        """Abort the group in the replica (its generate() is cancelled) and release the hold."""
+        """Abort the group in its replica and release the hold."""
         if self.open:
-            self.gen.cancel()
+            self.pool.abort(self)
             self.release()
 
     def shut_down(self) -> None:
-        """Abort for the server's shutdown: its reader gets ServerShuttingDown."""
+        """End for the server's shutdown: its reader gets ServerShuttingDown."""
         if self.open:
             self.shutdown = True
-            self.gen.cancel()
+            self.deliver(ServerShuttingDown("the server is shutting down; the request was aborted"))
 
     def abandon_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -307,8 +389,8 @@ def _is_replica_failure(error: BaseException) -> bool:
 
 
 class RemoteStream:
-    """A replica's output stream of one group of requests (OutputStream). Dropped without being
-    closed (the client left before its handler read it), it aborts the group when collected."""
+    """A replica's outputs of one group of requests (OutputStream). Dropped without being closed
+    (the client left before its handler read it), it aborts the group when collected."""
 
     def __init__(self, lease: _Lease) -> None:
         self._lease = lease
@@ -322,33 +404,84 @@ class RemoteStream:
         lease = self._lease
         if not lease.open:
             raise StopAsyncIteration
-        try:
-            item = await lease.gen.__anext__()
-        except StopAsyncIteration:
+        item = await lease.queue.get()
+        if isinstance(item, BaseException):
+            lease.cancel()
+            raise item
+        if isinstance(item, GroupEnd):
             lease.release()
-            raise
-        except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - sorted out below
-            was_open = lease.open  # else its reader closed it (and was cancelled) while this waited
-            lease.cancel()  # the group is over here, whatever happened
-            if lease.shutdown:
-                raise ServerShuttingDown("the server is shutting down; the request was aborted") from None
-            if not was_open or isinstance(e, asyncio.CancelledError):
-                raise asyncio.CancelledError() from None
-            name = lease.pool.name(lease.index)
-            if not _is_replica_failure(e):
-                logger.error("engine replica %s ended a request: %s", name,
-                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-                raise EngineUnavailable(f"engine replica {name} ended the request; retry") from None
-            lease.pool.lost(lease.index, e)
-            raise EngineUnavailable(f"engine replica {name} failed while generating; the request was aborted "
-                                    "(it is being restarted): retry") from None
-        if isinstance(item, Refusal):
-            lease.release()
-            raise item.error(lease.pool.name(lease.index))
-        return item  # type: ignore[no-any-return]
+            if item.refusal is not None:
+                raise item.refusal.error(lease.pool.name(lease.index))
+            raise StopAsyncIteration
+        return item
 
     def close(self) -> None:
         self._lease.cancel()
+
+
+class _Channel:
+    """The one output stream the pool reads from a replica (every group's outputs, demultiplexed
+    to their leases). When it breaks, every group open on the replica ends with EngineUnavailable."""
+
+    def __init__(self, pool: ReplicaPool, index: int) -> None:
+        self._pool = pool
+        self._index = index
+        self._leases: dict[str, _Lease] = {}  # by group key
+        self._routes: dict[str, _Lease] = {}  # by request id
+        self._reader: asyncio.Task[None] | None = None
+
+    def open(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read())
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def reset(self, failure: Exception) -> None:
+        """The replica restarted: a stream from its old instance has nothing more to say."""
+        self.close()
+        for lease in list(self._leases.values()):
+            lease.deliver(failure)
+
+    def add(self, lease: _Lease) -> None:
+        self._leases[lease.key] = lease
+        for rid in lease.request_ids:
+            self._routes[rid] = lease
+
+    def remove(self, lease: _Lease) -> None:
+        self._leases.pop(lease.key, None)
+        for rid in lease.request_ids:
+            self._routes.pop(rid, None)
+
+    async def _read(self) -> None:
+        pool, index = self._pool, self._index
+        gen: DeploymentResponseGenerator = (pool.replicas()[index].handle.options(stream=True)
+                                            .outputs.remote(pool.subscriber))
+        error: BaseException | None = None
+        try:
+            async for items in gen:
+                for item in items:
+                    lease = self._leases.get(item.group) if isinstance(item, GroupEnd) else \
+                        self._routes.get(item.request_id)
+                    if lease is not None:
+                        lease.deliver(item)
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted out below
+            error = e
+        name = pool.name(index)
+        if error is not None and not _is_replica_failure(error):
+            logger.error("engine replica %s: its output stream failed: %s", name,
+                         str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+            failure: Exception = EngineUnavailable(f"engine replica {name} failed the request; retry")
+        else:
+            pool.lost(index, error or EngineUnavailable("its output stream ended"))
+            failure = EngineUnavailable(f"engine replica {name} failed while generating; the request was "
+                                        "aborted (it is being restarted): retry")
+        for lease in list(self._leases.values()):
+            lease.deliver(failure)
 
 
 class ReplicaPool:
@@ -370,6 +503,8 @@ class ReplicaPool:
         self._admit_timeout = admit_timeout
         self._call_timeout = call_timeout
         self._leases: set[_Lease] = set()  # request groups open on the replicas
+        self._channels = [_Channel(self, i) for i in range(len(self._replicas))]
+        self.subscriber = uuid.uuid4().hex  # this pool, to the replicas
         self._admitting = 0  # submits waiting for a replica to admit their group
         self._poller: asyncio.Task[None] | None = None
         self._draining = False
@@ -389,6 +524,8 @@ class ReplicaPool:
             self._poller.cancel()
         for lease in list(self._leases):
             lease.shut_down()
+        for channel in self._channels:
+            channel.close()
 
     async def drain(self, timeout: float) -> None:
         self._draining = True
@@ -444,21 +581,24 @@ class ReplicaPool:
             i = decision.replica
             tried.add(i)
             replica = self._replicas[i]
-            gen: DeploymentResponseGenerator = replica.handle.options(stream=True).generate.remote(list(requests))
+            channel = self._channels[i]
+            channel.open()
+            lease = _Lease(self, i, [r.request_id for r in requests])
+            channel.add(lease)  # before the add: outputs may come before its answer
             replica.in_flight += count
             try:
-                first = await asyncio.wait_for(gen.__anext__(), self._admit_timeout)
+                first = await asyncio.wait_for(replica.handle.add.remote(self.subscriber, lease.key, list(requests)),
+                                               self._admit_timeout)
             except asyncio.CancelledError:
-                gen.cancel()
-                replica.in_flight -= count
+                self._withdraw(lease)
                 raise
             except Exception as e:  # noqa: BLE001 - dead, restarting or stuck: try another replica
-                gen.cancel()
-                replica.in_flight -= count
+                self._withdraw(lease)
                 self.lost(i, e)
                 last = EngineUnavailable(f"engine replica {replica.name} is unavailable; retry later")
                 continue
             if isinstance(first, Refusal):
+                channel.remove(lease)
                 replica.in_flight -= count
                 last = first.error(replica.name)
                 if first.kind == "queue_full":
@@ -469,9 +609,14 @@ class ReplicaPool:
                     continue
                 raise last
             self._record(decision, keys)
-            lease = _Lease(self, i, gen, count)
             self._leases.add(lease)
             return RemoteStream(lease)
+
+    def _withdraw(self, lease: _Lease) -> None:
+        """An add that did not answer: forget the group, and abort it in case it went through."""
+        self._channels[lease.index].remove(lease)
+        self._replicas[lease.index].in_flight -= lease.count
+        self.abort(lease)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         usable = [i for i, r in enumerate(self._replicas) if r.up]
@@ -499,7 +644,12 @@ class ReplicaPool:
 
     def released(self, lease: _Lease) -> None:
         self._leases.discard(lease)
+        self._channels[lease.index].remove(lease)
         self._replicas[lease.index].in_flight -= lease.count
+
+    def abort(self, lease: _Lease) -> None:
+        """Tell the lease's replica to abort its group (no answer awaited: a dead one aborts nothing)."""
+        self._replicas[lease.index].handle.abort.remote(self.subscriber, [lease.key])
 
     def lost(self, index: int, error: BaseException) -> str:
         """A call to replica `index` failed: route around it until a poll finds it again."""
@@ -530,6 +680,8 @@ class ReplicaPool:
         if replica.instance is not None and state.instance != replica.instance:
             replica.restarts += 1
             self._router.forget(index)
+            self._channels[index].reset(EngineUnavailable(f"engine replica {replica.name} restarted; the request "
+                                                          "was aborted: retry"))
             logger.warning("engine replica %s restarted; its caches are empty", replica.name)
         if not replica.up and state.alive:
             logger.info("engine replica %s is back", replica.name)
