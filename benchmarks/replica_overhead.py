@@ -1,6 +1,7 @@
 """What the Ray Serve hop costs a request: the bundled model served in-process, then as one replica
-behind `--replicas 1` (same threads), then in-process again; one greedy streamed request at a time
-(128 tokens, 5 measured after 1 warm-up); medians of TTFT and of the time per streamed token.
+behind `--replicas 1` (same threads), then both again. Batch 1: one greedy streamed request
+at a time (128 tokens, 5 measured after 1 warm-up), medians of TTFT and of the time per streamed
+token. Batch B (`--batch`): B such requests at once, three rounds; output tokens per second.
 
     python benchmarks/replica_overhead.py --json benchmarks/replica_overhead_cpu.json
 """
@@ -8,6 +9,7 @@ behind `--replicas 1` (same threads), then in-process again; one greedy streamed
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -37,10 +39,30 @@ def measure(name: str, extra: list[str], args: argparse.Namespace) -> dict[str, 
             if i:  # the first is a warm-up
                 ttft.append(times[0] - start)
                 per_token.append((times[-1] - times[0]) / (len(times) - 1))
+        rates = [asyncio.run(_round(server.base, args.batch)) for _ in range(3)]
     finally:
         server.stop()
     return {"ttft_ms_median": round(1000 * statistics.median(ttft), 1),
-            "per_token_ms_median": round(1000 * statistics.median(per_token), 2)}
+            "per_token_ms_median": round(1000 * statistics.median(per_token), 2),
+            f"batch{args.batch}_tok_s_median": round(statistics.median(rates), 1)}
+
+
+async def _round(base: str, batch: int) -> float:
+    """B streamed greedy requests at once: output tokens per second."""
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": MODEL, "prompt": f"Tell a tale about a cat called number {i}.", "max_tokens": 128,
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"usage": {' in line:
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, i) for i in range(batch)))
+    return sum(counts) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -48,10 +70,11 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--requests", type=int, default=5)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     runs = [("in-process", []), ("ray-1-replica", ["--replicas", "1", "--replica-cpus", str(args.threads)]),
-            ("in-process-again", [])]
+            ("in-process-again", []), ("ray-1-replica-again", ["--replicas", "1", "--replica-cpus", str(args.threads)])]
     out = {"command": " ".join(sys.argv), "results": {}}
     for name, extra in runs:
         out["results"][name] = measure(name, extra, args)
