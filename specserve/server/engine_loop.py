@@ -13,6 +13,7 @@ Build the engine with `build_on_passing_thread`, not on the event loop's thread:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import weakref
@@ -173,8 +174,7 @@ class RequestStream:
         self._owner = owner
         self._queue = queue
         self._unfinished = set(request_ids)
-        finalizer = weakref.finalize(self, _abandon, owner, self._unfinished)
-        finalizer.atexit = False
+        abort_when_collected(self, owner._require_loop(), functools.partial(_abandon, owner, self._unfinished))
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -199,11 +199,24 @@ class RequestStream:
 
 
 def _abandon(owner: AsyncEngine, unfinished: set[str]) -> None:
-    """A RequestStream was collected with requests unfinished: abort them (from any thread)."""
+    """A RequestStream was collected with requests unfinished: abort them."""
     if unfinished:
         ids = sorted(unfinished)
         unfinished.clear()
-        owner.abort_threadsafe(ids)
+        owner.abort(ids)
+
+
+def abort_when_collected(stream: object, loop: asyncio.AbstractEventLoop, abort: Callable[[], None]) -> None:
+    """When `stream` is garbage-collected (in whatever thread), run `abort` on `loop`: an output
+    stream dropped unclosed (its handler never ran: the client left first) must not keep generating.
+    `abort` must not refer to `stream`, and must do nothing for a stream that was closed."""
+    def schedule() -> None:
+        try:
+            loop.call_soon_threadsafe(abort)
+        except RuntimeError:  # the loop has closed: nothing runs any more
+            pass
+
+    weakref.finalize(stream, schedule).atexit = False
 
 
 class _Reply(Generic[T]):
@@ -343,15 +356,6 @@ class AsyncEngine:
         for rid in ids:
             self._routes.pop(rid, None)
         self._send(lambda engine: self._abort(engine, ids))
-
-    def abort_threadsafe(self, request_ids: Sequence[str]) -> None:
-        """`abort`, from any thread (a garbage collector's finalizer)."""
-        if self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(self.abort, list(request_ids))
-        except RuntimeError:  # the loop has closed: nothing runs any more
-            pass
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps (tokenizing, reading config)."""

@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -30,7 +29,7 @@ import ray
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
+from ray.exceptions import RayTaskError, TaskCancelledError
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -42,7 +41,7 @@ from specserve.outputs import RequestOutput
 from specserve.server.app import ServedModel
 from specserve.server.engine_loop import (
     AsyncEngine, EngineError, EngineRequest, EngineSnapshot, EngineUnavailable, GenerationFailed, QueueFullError,
-    RequestStream, ServerShuttingDown, build_on_passing_thread, merge_snapshots,
+    RequestStream, ServerShuttingDown, abort_when_collected, build_on_passing_thread, merge_snapshots,
 )
 from specserve.server.routing import Decision, Router, messages_text
 from specserve.server.serving import ChatPrompt
@@ -373,18 +372,10 @@ class _Lease:
             self.shutdown = True
             self.deliver(ServerShuttingDown("the server is shutting down; the request was aborted"))
 
-    def abandon_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            loop.call_soon_threadsafe(self.cancel)
-        except RuntimeError:  # the loop has closed
-            pass
-
 
 def _is_replica_failure(error: BaseException) -> bool:
     """Did the replica (its actor) die, or stop answering? Not: an error raised by the call itself,
     or a call cancelled (by Serve, say while it shuts the replica down)."""
-    if isinstance(error, RayActorError):
-        return True
     return not isinstance(error, (RayTaskError, TaskCancelledError, RequestCancelledError))
 
 
@@ -394,8 +385,7 @@ class RemoteStream:
 
     def __init__(self, lease: _Lease) -> None:
         self._lease = lease
-        finalizer = weakref.finalize(self, lease.abandon_threadsafe, asyncio.get_running_loop())
-        finalizer.atexit = False
+        abort_when_collected(self, asyncio.get_running_loop(), lease.cancel)
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -443,6 +433,10 @@ class _Channel:
         self.close()
         for lease in list(self._leases.values()):
             lease.deliver(failure)
+
+    def leases(self) -> list[_Lease]:
+        """The groups open on the replica, admitted or being admitted."""
+        return list(self._leases.values())
 
     def add(self, lease: _Lease) -> None:
         self._leases[lease.key] = lease
@@ -502,10 +496,8 @@ class ReplicaPool:
         self._poll_interval = poll_interval
         self._admit_timeout = admit_timeout
         self._call_timeout = call_timeout
-        self._leases: set[_Lease] = set()  # request groups open on the replicas
-        self._channels = [_Channel(self, i) for i in range(len(self._replicas))]
+        self._channels = [_Channel(self, i) for i in range(len(self._replicas))]  # hold the open groups
         self.subscriber = uuid.uuid4().hex  # this pool, to the replicas
-        self._admitting = 0  # submits waiting for a replica to admit their group
         self._poller: asyncio.Task[None] | None = None
         self._draining = False
         self._stopped = False
@@ -522,7 +514,7 @@ class ReplicaPool:
         self._stopped = True
         if self._poller is not None:
             self._poller.cancel()
-        for lease in list(self._leases):
+        for lease in self._open_leases():
             lease.shut_down()
         for channel in self._channels:
             channel.close()
@@ -531,12 +523,11 @@ class ReplicaPool:
         self._draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while (self._leases or self._admitting) and loop.time() < deadline:
+        while self._open_leases() and loop.time() < deadline:  # admissions in progress count too
             await asyncio.sleep(0.05)
-        if self._leases:
-            logger.warning("shutdown: aborting %d request group(s) still running after %.3g s",
-                           len(self._leases), timeout)
-            for lease in list(self._leases):
+        if leases := self._open_leases():
+            logger.warning("shutdown: aborting %d request group(s) still running after %.3g s", len(leases), timeout)
+            for lease in leases:
                 lease.shut_down()
             await asyncio.sleep(0)
 
@@ -560,16 +551,11 @@ class ReplicaPool:
             raise ServerShuttingDown("the server is shutting down")
         source = _affinity_source(requests[0].prompt) if requests else None
         keys = self._router.keys(source) if source is not None else []
-        self._admitting += 1
-        try:
-            return await self._admit(requests, keys)
-        finally:
-            self._admitting -= 1
+        return await self._admit(requests, keys)
 
     async def _admit(self, requests: Sequence[EngineRequest], keys: Sequence[bytes]) -> RemoteStream:
         """Offer the group to replicas in the router's order until one admits it. A replica that is
         down, full or going away is passed over; an invalid request is refused at the first."""
-        count = len(requests)
         tried: set[int] = set()
         full: Exception | None = None  # a replica's 429: the answer when every replica refused
         last: Exception = EngineUnavailable("no engine replica is available; retry later")
@@ -585,21 +571,20 @@ class ReplicaPool:
             channel.open()
             lease = _Lease(self, i, [r.request_id for r in requests])
             channel.add(lease)  # before the add: outputs may come before its answer
-            replica.in_flight += count
+            replica.in_flight += lease.count
             try:
                 first = await asyncio.wait_for(replica.handle.add.remote(self.subscriber, lease.key, list(requests)),
                                                self._admit_timeout)
             except asyncio.CancelledError:
-                self._withdraw(lease)
+                lease.cancel()  # the add may have gone through
                 raise
             except Exception as e:  # noqa: BLE001 - dead, restarting or stuck: try another replica
-                self._withdraw(lease)
+                lease.cancel()
                 self.lost(i, e)
                 last = EngineUnavailable(f"engine replica {replica.name} is unavailable; retry later")
                 continue
             if isinstance(first, Refusal):
-                channel.remove(lease)
-                replica.in_flight -= count
+                lease.release()
                 last = first.error(replica.name)
                 if first.kind == "queue_full":
                     full = last  # another replica may have room
@@ -609,14 +594,10 @@ class ReplicaPool:
                     continue
                 raise last
             self._record(decision, keys)
-            self._leases.add(lease)
             return RemoteStream(lease)
 
-    def _withdraw(self, lease: _Lease) -> None:
-        """An add that did not answer: forget the group, and abort it in case it went through."""
-        self._channels[lease.index].remove(lease)
-        self._replicas[lease.index].in_flight -= lease.count
-        self.abort(lease)
+    def _open_leases(self) -> list[_Lease]:
+        return [lease for channel in self._channels for lease in channel.leases()]
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         usable = [i for i, r in enumerate(self._replicas) if r.up]
@@ -643,7 +624,6 @@ class ReplicaPool:
         self.matched_blocks += decision.matched
 
     def released(self, lease: _Lease) -> None:
-        self._leases.discard(lease)
         self._channels[lease.index].remove(lease)
         self._replicas[lease.index].in_flight -= lease.count
 
