@@ -127,13 +127,17 @@ def merge_snapshots(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
 
 
 class OutputStream(Protocol):
-    """The outputs of a group of engine requests; `close()` aborts the unfinished ones."""
+    """The outputs of a group of engine requests; `close()` aborts the unfinished ones, `aclose()`
+    does too and returns once the engine has carried the abort out (their KV blocks are free and
+    the published snapshot says so), so whatever is counted after it is true of the engine."""
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 
     async def __anext__(self) -> RequestOutput: ...
 
     def close(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 class EngineClient(Protocol):
@@ -196,6 +200,12 @@ class RequestStream:
         if self._unfinished:
             self._owner.abort(sorted(self._unfinished))
             self._unfinished.clear()
+
+    async def aclose(self) -> None:
+        if self._unfinished:
+            ids = sorted(self._unfinished)
+            self._unfinished.clear()
+            await self._owner.abort_and_wait(ids)
 
 
 def _abandon(owner: AsyncEngine, unfinished: set[str]) -> None:
@@ -356,6 +366,25 @@ class AsyncEngine:
         for rid in ids:
             self._routes.pop(rid, None)
         self._send(lambda engine: self._abort(engine, ids))
+
+    async def abort_and_wait(self, request_ids: Sequence[str]) -> None:
+        """`abort`, returning once the engine thread has aborted them and published a snapshot that
+        shows it (at once if the engine thread is not running: nothing is left to wait for)."""
+        ids = list(request_ids)
+        for rid in ids:
+            self._routes.pop(rid, None)
+        if not self.alive:
+            self._send(lambda engine: self._abort(engine, ids))
+            return
+        reply: _Reply[None] = _Reply(self._require_loop())
+
+        def command(engine: LLMEngine) -> None:
+            self._abort(engine, ids)
+            self._publish(engine, 0)
+            reply.set(None)
+
+        self._send(command)
+        await reply.future
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps (tokenizing, reading config)."""

@@ -110,18 +110,23 @@ class _Outbox:
     def __init__(self) -> None:
         self.items: list[RequestOutput | GroupEnd] = []
         self.wake = asyncio.Event()
-        self.groups: dict[str, asyncio.Future[None]] = {}
+        self.groups: dict[str, tuple[asyncio.Future[None], RequestStream]] = {}
         self.readers = 0  # subscriptions so far; the latest one reads
 
     def put(self, item: RequestOutput | GroupEnd) -> None:
         self.items.append(item)
         self.wake.set()
 
-    def abort(self, groups: Sequence[str]) -> None:
+    def abort(self, groups: Sequence[str]) -> list[RequestStream]:
+        """Stop these groups' pumps; returns their streams (closing one aborts its requests)."""
+        streams = []
         for group in groups:
-            pump = self.groups.pop(group, None)
-            if pump is not None:
+            entry = self.groups.pop(group, None)
+            if entry is not None:
+                pump, stream = entry
                 pump.cancel()  # its stream closes: the engine aborts the requests
+                streams.append(stream)
+        return streams
 
 
 async def _pump(box: _Outbox, group: str, stream: RequestStream) -> None:
@@ -167,14 +172,15 @@ class EngineReplica:
         except Exception as e:  # noqa: BLE001 - handed to the pool
             return Refusal.of(e)
         box = self._outbox(subscriber)
-        box.groups[group] = asyncio.ensure_future(_pump(box, group, stream))
+        box.groups[group] = (asyncio.ensure_future(_pump(box, group, stream)), stream)
         return ADMITTED
 
     async def abort(self, subscriber: str, groups: list[str]) -> None:
         """The subscriber has no one to give these groups' outputs to (its client left)."""
         box = self._outboxes.get(subscriber)
         if box is not None:
-            box.abort(groups)
+            for stream in box.abort(groups):
+                await stream.aclose()  # returns once the engine has freed their blocks
 
     async def outputs(self, subscriber: str) -> Any:
         """The subscriber's output stream: lists of whatever outputs (and GroupEnds) of all its
@@ -366,6 +372,17 @@ class _Lease:
             self.pool.abort(self)
             self.release()
 
+    async def cancel_and_wait(self) -> None:
+        """`cancel`, returning once the replica has aborted the group (or failed to answer: a dead
+        replica aborts nothing)."""
+        if self.open:
+            done = self.pool.abort(self)
+            self.release()
+            try:
+                await done
+            except Exception:  # noqa: BLE001 - see above
+                pass
+
     def shut_down(self) -> None:
         """End for the server's shutdown: its reader gets ServerShuttingDown."""
         if self.open:
@@ -407,6 +424,9 @@ class RemoteStream:
 
     def close(self) -> None:
         self._lease.cancel()
+
+    async def aclose(self) -> None:
+        await self._lease.cancel_and_wait()
 
 
 class _Channel:
@@ -627,9 +647,9 @@ class ReplicaPool:
         self._channels[lease.index].remove(lease)
         self._replicas[lease.index].in_flight -= lease.count
 
-    def abort(self, lease: _Lease) -> None:
-        """Tell the lease's replica to abort its group (no answer awaited: a dead one aborts nothing)."""
-        self._replicas[lease.index].handle.abort.remote(self.subscriber, [lease.key])
+    def abort(self, lease: _Lease) -> Any:
+        """Tell the lease's replica to abort its group; returns the call's response (awaitable)."""
+        return self._replicas[lease.index].handle.abort.remote(self.subscriber, [lease.key])
 
     def lost(self, index: int, error: BaseException) -> str:
         """A call to replica `index` failed: route around it until a poll finds it again."""

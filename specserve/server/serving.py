@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Protocol
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -314,6 +315,18 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+ABORT_WAIT_SECONDS = 10.0
+
+
+async def _close(stream: OutputStream) -> None:
+    """Close `stream`, waiting (shielded from the handler's own cancellation, bounded) until the
+    engine has carried out the abort of what was unfinished: a request is counted as aborted once
+    its blocks are free, never before."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(ABORT_WAIT_SECONDS):
+        await stream.aclose()
+    stream.close()  # a no-op unless the wait was cut short
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
     """Run `work`; give up (cancelling it) if the client disconnects first. True if it finished."""
     task = asyncio.ensure_future(work)
@@ -373,7 +386,7 @@ class GenerationRun:
             err = engine_failure(e)
             return JSONResponse(err.body(), status_code=err.status)
         finally:
-            stream.close()
+            await _close(stream)
             tracker.close()
         if not done:  # nobody to answer
             return Response(status_code=499)
@@ -401,7 +414,7 @@ class GenerationRun:
             yield _sse(engine_failure(e).body())
             yield _sse("[DONE]")
         finally:
-            stream.close()
+            await _close(stream)
             tracker.close(status)
 
     @staticmethod
