@@ -1,0 +1,74 @@
+"""Builds specserve's CPU kernels (specserve/csrc) into specserve/_C, a library of torch operators.
+
+The operators are compiled against the PyTorch installed in the environment, so that PyTorch must
+be there before this package is built, and pip must not build in an isolated environment (which
+would fetch a PyTorch of its own: for a CPU machine, a multi-GB CUDA build):
+
+    pip install torch==2.13.0            # or the build you want
+    pip install --no-build-isolation -e .
+
+Each instruction-set variant of the quantized kernels (qgemm_<isa>.cpp) is compiled with its own
+flags; the library picks among those the CPU runs, by measurement (specserve.model.gguf_ops).
+Never -march=native: the build must run on any CPU of its architecture.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from setuptools import setup
+
+try:
+    import torch  # noqa: F401
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    sys.exit(
+        "specserve: building the CPU kernels needs PyTorch in this environment. Install it first "
+        "(`pip install torch==2.13.0`, or the build for your GPU), then install specserve without build "
+        "isolation: `pip install --no-build-isolation -e .`"
+    )
+
+CSRC = os.path.join("specserve", "csrc")
+COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+
+# Variant sources and their flags; a variant's macro tells ops.cpp it was built.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"), [])]
+if X86:
+    VARIANTS.append((os.path.join(CSRC, "qgemm_avx2.cpp"), ["-mavx2", "-mfma", "-mf16c"]))
+DEFINES = [("SPECSERVE_HAVE_AVX2", "1")] if X86 else []
+
+
+class Build(BuildExtension):
+    """Compiles each variant with its own instruction-set flags, then links them into the library."""
+
+    def build_extension(self, ext):  # type: ignore[no-untyped-def]
+        if ext.name == "specserve._C":
+            objects = []
+            for source, flags in VARIANTS:
+                objects += self.compiler.compile(
+                    [source], output_dir=self.build_temp, include_dirs=[CSRC],
+                    extra_postargs=["-std=c++17", "-fPIC", *COMMON, *flags],
+                    depends=[os.path.join(CSRC, "gguf_blocks.h"), os.path.join(CSRC, "qgemm.h")],
+                )
+            ext.extra_objects = objects
+        super().build_extension(ext)
+
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "specserve._C",
+            [os.path.join(CSRC, "ops.cpp")],
+            include_dirs=[CSRC],
+            define_macros=DEFINES,
+            # at::parallel_for is an OpenMP region compiled into this library (the runtime is PyTorch's libgomp)
+            extra_compile_args={"cxx": [*COMMON, "-fopenmp"]},
+            extra_link_args=["-fopenmp"],
+            depends=[os.path.join(CSRC, "gguf_blocks.h"), os.path.join(CSRC, "qgemm.h")],
+        )
+    ],
+    cmdclass={"build_ext": Build.with_options(use_ninja=False)},
+)

@@ -1,0 +1,111 @@
+// GGUF (ggml) block formats read as the file stores them, and the activation formats the integer
+// kernels multiply them with. Layouts follow ggml-common.h in llama.cpp; nothing here depends on
+// torch, so the ISA-specific kernel files stay quick to compile.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace specserve {
+
+// ggml type ids (the GGUF file's tensor types) this package reads.
+enum GgmlType : int {
+    kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+constexpr int kQK = 256;  // elements of a k-quant super-block
+constexpr int kQ32 = 32;  // elements of a legacy (Q4_0, Q4_1, Q8_0) block
+
+struct TypeInfo {
+    int block_elems;
+    int block_bytes;
+};
+
+static inline bool type_info(int type, TypeInfo* out) {
+    switch (type) {
+        case kF32: *out = {1, 4}; return true;
+        case kF16: *out = {1, 2}; return true;
+        case kBF16: *out = {1, 2}; return true;
+        case kQ4_0: *out = {32, 18}; return true;
+        case kQ4_1: *out = {32, 20}; return true;
+        case kQ8_0: *out = {32, 34}; return true;
+        case kQ4_K: *out = {256, 144}; return true;
+        case kQ5_K: *out = {256, 176}; return true;
+        case kQ6_K: *out = {256, 210}; return true;
+        default: return false;
+    }
+}
+
+static inline bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+static inline bool is_legacy_quant(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+
+// IEEE half -> float, bit-exact (no F16C needed: used on load paths and by the scalar kernels).
+static inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while ((mant & 0x400) == 0) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float read_fp16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return fp16_to_fp32(h);
+}
+
+static inline float bf16_to_fp32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
+static inline void k_scale_min(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Activations, quantized per row (every row alone: a row's numbers never depend on the others).
+//   Q8K: per 256 elements, d = max|x| / 127, q = round(x / d); sums of q per 16 (for the k-quants'
+//        mins and offsets);
+//   Q8B: per 32 elements, the same rule, and the sum of q (for Q4_0's offset and Q4_1's mins).
+struct ActQ8K {
+    float d;
+    int16_t bsums[16];
+    int8_t qs[kQK];
+};
+struct ActQ8B {
+    float d;
+    int32_t sum;
+    int8_t qs[kQ32];
+};
+
+// Quantize `n` (a multiple of the block) floats into blocks.
+void quantize_q8k(const float* x, int64_t n, ActQ8K* out);
+void quantize_q8b(const float* x, int64_t n, ActQ8B* out);
+
+// One row of a weight tensor of `type`, `n` elements, dequantized to float.
+bool dequantize_row(int type, const uint8_t* src, int64_t n, float* dst);
+
+}  // namespace specserve

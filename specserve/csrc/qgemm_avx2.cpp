@@ -1,0 +1,256 @@
+// AVX2 + FMA kernels (compiled with -mavx2 -mfma -mf16c; run only where the CPU has them).
+//
+// Integer dot products with vpmaddubsw (unsigned weight quants x signed activation quants, pairs
+// summed to int16) and vpmaddwd (times the sub-block scales, pairs summed to int32), one float
+// scale per block. A weight block is unpacked once into registers and applied to every activation
+// row of the tile. Everything here has internal linkage except avx2::gemm: this file is built with
+// instructions other files must not pick up through a shared inline function.
+#include <immintrin.h>
+
+#include "gguf_blocks.h"
+#include "qgemm.h"
+
+namespace specserve {
+namespace avx2 {
+namespace {
+
+constexpr int kMaxTile = 64;
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+inline float half(const uint8_t* p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+// Activation rows per pass: enough to amortise unpacking, few enough that the tile stays in L2.
+inline int tile_rows(int64_t K) {
+    const int64_t t = 262144 / K;
+    return (int)(t < 4 ? 4 : (t > kMaxTile ? kMaxTile : t));
+}
+
+// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block.
+inline void scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t w0, w1, w2;
+    __builtin_memcpy(&w0, s, 4);
+    __builtin_memcpy(&w1, s + 4, 4);
+    __builtin_memcpy(&w2, s + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+    const uint32_t s03 = w0 & lo6, m03 = w1 & lo6;
+    const uint32_t s47 = (w2 & lo4) | (((w0 >> 6) & lo2) << 4);
+    const uint32_t m47 = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
+    __builtin_memcpy(sc, &s03, 4);
+    __builtin_memcpy(sc + 4, &s47, 4);
+    __builtin_memcpy(mn, &m03, 4);
+    __builtin_memcpy(mn + 4, &m47, 4);
+}
+
+// ---- k-quants: Q4_K, Q5_K (w = d*sc*q - dmin*m, q unsigned, 32 per scale), Q6_K ---------------
+
+struct Unpacked {
+    __m256i q[8];      // 256 unsigned quants, 32 per vector (sub-block j in q[j])
+    __m256i sc[8];     // int16 multipliers of q[j]'s 16 maddubs pairs
+    __m256i off;       // int16 per 16-element group: mins (Q4_K/Q5_K, one per pair of groups) or scales (Q6_K)
+    float d, dmin;
+};
+
+inline void unpack_q4k(const uint8_t* blk, Unpacked& u) {
+    u.d = half(blk);
+    u.dmin = half(blk + 2);
+    alignas(16) uint8_t sc[8], mn[8];
+    scales_mins(blk + 4, sc, mn);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * j));
+        u.q[2 * j] = _mm256_and_si256(v, m4);
+        u.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    for (int j = 0; j < 8; j++) u.sc[j] = _mm256_set1_epi16(sc[j]);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn));
+    u.off = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+}
+
+inline void unpack_q5k(const uint8_t* blk, Unpacked& u) {
+    u.d = half(blk);
+    u.dmin = half(blk + 2);
+    alignas(16) uint8_t sc[8], mn[8];
+    scales_mins(blk + 4, sc, mn);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 48 + 32 * j));
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(vh, 2 * j), one);
+        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(vh, 2 * j + 1), one);
+        u.q[2 * j] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(h0, 4));
+        u.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_slli_epi16(h1, 4));
+    }
+    for (int j = 0; j < 8; j++) u.sc[j] = _mm256_set1_epi16(sc[j]);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn));
+    u.off = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+}
+
+inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
+    u.d = half(blk + 208);
+    u.dmin = 0.0f;
+    const int8_t* sc = (const int8_t*)(blk + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+        const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+        u.q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
+        u.q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(v1, m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
+        u.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
+        u.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+    }
+    for (int j = 0; j < 8; j++) u.sc[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+    u.off = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
+}
+
+// acc[r] += this super-block's contribution for R activation rows (x[r * stride]): the weight
+// quants and scales are loaded once for all R rows.
+template <bool Q6, int R>
+inline void dot_k(const Unpacked& u, const ActQ8K* x, int64_t stride, __m256* acc) {
+    __m256i s[R];
+    for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i q = u.q[j], sc = u.sc[j];
+        for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r * stride].qs + 32 * j));
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sc));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const ActQ8K& xr = x[r * stride];
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)xr.bsums), u.off);
+        if (Q6) {  // w = d * sc * (q - 32): subtract 32 * sum(sc * bsum)
+            const __m256i v = _mm256_sub_epi32(s[r], _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(u.d * xr.d), acc[r]);
+        } else {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(u.d * xr.d), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u.dmin * xr.d), acc[r]);
+        }
+    }
+}
+
+template <int Type>
+void gemm_k(const GemmTask& t, int64_t n0, int64_t n1) {
+    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
+    const int64_t nb = t.K / kQK;
+    const int tile = tile_rows(t.K);
+    const ActQ8K* xq = (const ActQ8K*)t.xq;
+    __m256 acc[kMaxTile];
+    Unpacked u;
+    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
+        const int mt = (int)min64(tile, t.M - m0);
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t* row = t.w + n * t.row_bytes;
+            for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = row + b * kBytes;
+                _mm_prefetch((const char*)(blk + 4 * kBytes), _MM_HINT_T0);
+                if (Type == kQ4_K) unpack_q4k(blk, u);
+                else if (Type == kQ5_K) unpack_q5k(blk, u);
+                else unpack_q6k(blk, u);
+                const ActQ8K* x = xq + m0 * nb + b;
+                int i = 0;
+                for (; i + 4 <= mt; i += 4) dot_k<Type == kQ6_K, 4>(u, x + i * nb, nb, acc + i);
+                switch (mt - i) {
+                    case 3: dot_k<Type == kQ6_K, 3>(u, x + i * nb, nb, acc + i); break;
+                    case 2: dot_k<Type == kQ6_K, 2>(u, x + i * nb, nb, acc + i); break;
+                    case 1: dot_k<Type == kQ6_K, 1>(u, x + i * nb, nb, acc + i); break;
+                    default: break;
+                }
+            }
+            for (int i = 0; i < mt; i++) t.y[(m0 + i) * t.ldy + n] = hsum(acc[i]) + (t.bias ? t.bias[n] : 0.0f);
+        }
+    }
+}
+
+// ---- legacy types, 32 per block: Q8_0 (w = d*q), Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) ---------
+
+template <int Type>
+void gemm_legacy(const GemmTask& t, int64_t n0, int64_t n1) {
+    constexpr int kBytes = Type == kQ8_0 ? 34 : (Type == kQ4_0 ? 18 : 20);
+    const int64_t nb = t.K / kQ32;
+    const int tile = tile_rows(t.K);
+    const ActQ8B* xq = (const ActQ8B*)t.xq;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m256 acc[kMaxTile];
+    float extra[kMaxTile];  // Q4_1: the mins' share, m * d_x * sum(q_x)
+    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
+        const int mt = (int)min64(tile, t.M - m0);
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t* row = t.w + n * t.row_bytes;
+            for (int i = 0; i < mt; i++) {
+                acc[i] = _mm256_setzero_ps();
+                extra[i] = 0.0f;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t* blk = row + b * kBytes;
+                const float d = half(blk);
+                const ActQ8B* x = xq + m0 * nb + b;
+                if (Type == kQ4_1) {
+                    const float mn = half(blk + 2);
+                    const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 4));
+                    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+                    for (int i = 0; i < mt; i++) {
+                        const ActQ8B& xi = x[i * nb];
+                        const __m256i p = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)xi.qs)), ones);
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xi.d), acc[i]);
+                        extra[i] += mn * xi.d * (float)xi.sum;
+                    }
+                    continue;
+                }
+                __m256i q;  // signed quants
+                if (Type == kQ8_0) {
+                    q = _mm256_loadu_si256((const __m256i*)(blk + 2));
+                } else {
+                    const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 2));
+                    q = _mm256_sub_epi8(
+                        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
+                        _mm256_set1_epi8(8));
+                }
+                const __m256i aq = _mm256_sign_epi8(q, q);
+                for (int i = 0; i < mt; i++) {
+                    const ActQ8B& xi = x[i * nb];
+                    const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)xi.qs), q);
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xi.d), acc[i]);
+                }
+            }
+            for (int i = 0; i < mt; i++)
+                t.y[(m0 + i) * t.ldy + n] = hsum(acc[i]) + extra[i] + (t.bias ? t.bias[n] : 0.0f);
+        }
+    }
+}
+
+}  // namespace
+
+void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
+    switch (t.type) {
+        case kQ4_K: return gemm_k<kQ4_K>(t, n0, n1);
+        case kQ5_K: return gemm_k<kQ5_K>(t, n0, n1);
+        case kQ6_K: return gemm_k<kQ6_K>(t, n0, n1);
+        case kQ8_0: return gemm_legacy<kQ8_0>(t, n0, n1);
+        case kQ4_0: return gemm_legacy<kQ4_0>(t, n0, n1);
+        case kQ4_1: return gemm_legacy<kQ4_1>(t, n0, n1);
+        default: return;
+    }
+}
+
+}  // namespace avx2
+}  // namespace specserve
