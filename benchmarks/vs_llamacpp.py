@@ -11,7 +11,7 @@ max_tokens 256 (ignore_eos, so every request decodes 256 tokens), one request at
 client is a plain streaming HTTP reader (no JSON parsing per chunk), so it takes as little of
 the 2 cores as possible. For each configuration: output tokens/s over all its requests, the
 median of its per-request tokens/s, and its ratio to the first configuration per request
-(median). `{gguf}` stands for the bundled model's GGUF file.
+(median). `{gguf}` stands for the bundled model's GGUF file, or the one `--gguf` names (in either engine's arguments).
 
 With `--workload structured`: the 24 JSON-schema chat requests of benchmarks/structured_outputs.py,
 each with `response_format: json_schema` (both servers constrain it), greedy, max_tokens 256, not
@@ -151,10 +151,11 @@ def main() -> None:
     ap.add_argument("--workload", choices=["spec-bench", "structured"], default="spec-bench")
     ap.add_argument("--in-process", action="store_true",
                     help="also time each specserve configuration through LLM.chat (the server's overhead)")
+    ap.add_argument("--gguf", default=None, help="the GGUF file {gguf} stands for (default: the bundled model's)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=Path("bench_results/vs_llamacpp_logs"))
     a = ap.parse_args()
-    gguf = str(find_bundled_gguf("smollm2-135m"))
+    gguf = str(Path(a.gguf).expanduser()) if a.gguf else str(find_bundled_gguf("smollm2-135m"))
     configs: list[Config] = []
     for spec in a.llama:
         name, _, args = spec.partition("=")
@@ -165,6 +166,7 @@ def main() -> None:
     in_process: dict[str, str] = {}
     for spec in a.specserve:
         name, _, args = spec.partition("=")
+        args = args.replace("{gguf}", gguf)
         in_process[f"specserve {name}"] = args
         port = free_port()
         argv = [sys.executable, "-m", "specserve.cli", "serve", *shlex.split(args), "--threads", str(a.threads),

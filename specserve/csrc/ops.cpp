@@ -26,6 +26,8 @@ namespace {
 // Variant ids, as the Python side names them (specserve.model.gguf_ops.ISAS).
 enum Isa : int64_t { kGeneric = 0, kAvx2 = 1 };
 
+constexpr size_t kMaxParts = 4;
+
 bool isa_runs(int64_t isa) {
     switch (isa) {
         case kGeneric: return true;
@@ -91,23 +93,93 @@ Rounded round_activations(const at::Tensor& x, bool k, bool b) {
     return r;
 }
 
+// One weight tensor of a (possibly fused) projection.
+struct LinearPart {
+    const uint8_t* w;
+    int64_t row_bytes;
+    int64_t rows;
+    int64_t type;
+};
+
+// y[M, sum rows] = x[M, K] times the parts stacked along the output (+ bias): the activations
+// rounded once per type family, then chunks of output columns of every part taken dynamically by
+// the threads (parts of different types cost different time per column).
+void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M, int64_t K, float* y,
+                 const float* bias, int64_t isa) {
+    bool need_k = false, need_b = false;
+    int64_t N = 0;
+    for (int i = 0; i < n_parts; i++) {
+        need_k |= is_k_quant((int)parts[i].type);
+        need_b |= is_legacy_quant((int)parts[i].type);
+        N += parts[i].rows;
+    }
+    if (M == 0 || N == 0) return;
+    // per-thread scratch for the rounded activations (reused across calls)
+    thread_local std::vector<uint8_t> scratch_k, scratch_b;
+    ActQ8K* xk = nullptr;
+    ActQ8B* xb = nullptr;
+    if (need_k) {
+        scratch_k.resize((size_t)M * (K / kQK) * sizeof(ActQ8K));
+        xk = (ActQ8K*)scratch_k.data();
+    }
+    if (need_b) {
+        scratch_b.resize((size_t)M * (K / kQ32) * sizeof(ActQ8B));
+        xb = (ActQ8B*)scratch_b.data();
+    }
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; m++) {
+            if (xk) quantize_q8k(x + m * K, K, xk + m * (K / kQK));
+            if (xb) quantize_q8b(x + m * K, K, xb + m * (K / kQ32));
+        }
+    });
+    const int threads = at::get_num_threads();
+    struct Chunk {
+        int part;
+        int64_t start, end;
+    };
+    thread_local std::vector<Chunk> chunks;
+    thread_local std::vector<GemmTask> tasks;
+    chunks.clear();
+    tasks.clear();
+    int64_t col = 0;
+    for (int i = 0; i < n_parts; i++) {
+        const int type = (int)parts[i].type;
+        tasks.push_back(GemmTask{type, parts[i].w, parts[i].row_bytes, K,
+                                 is_k_quant(type) ? (const void*)xk : (const void*)xb, M, y + col, N,
+                                 bias ? bias + col : nullptr});
+        // small enough to balance the threads, large enough to amortise taking them
+        int64_t chunk = parts[i].rows / (8 * threads);
+        chunk = chunk < 8 ? 8 : (chunk > 256 ? 256 : chunk);
+        for (int64_t s = 0; s < parts[i].rows; s += chunk)
+            chunks.push_back({i, s, s + chunk < parts[i].rows ? s + chunk : parts[i].rows});
+        col += parts[i].rows;
+    }
+    const GemmFn fn = gemm_fn(isa);
+    std::atomic<int64_t> next{0};
+    const int64_t total = (int64_t)chunks.size();
+    const Chunk* cs = chunks.data();
+    const GemmTask* ts = tasks.data();
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (int64_t c = next++; c < total; c = next++) fn(ts[cs[c].part], cs[c].start, cs[c].end);
+    });
+}
+
 at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                        const std::optional<at::Tensor>& bias, int64_t isa) {
     TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
                 "gguf_linear: x must be a 2-D float32 CPU tensor, got ", x_in.scalar_type(), " ", x_in.sizes());
-    TORCH_CHECK(!weights.empty() && weights.size() == types.size(),
-                "gguf_linear: ", weights.size(), " weight tensors but ", types.size(), " types");
+    TORCH_CHECK(!weights.empty() && weights.size() == types.size() && weights.size() <= kMaxParts,
+                "gguf_linear: ", weights.size(), " weight tensors and ", types.size(), " types (1 to ", kMaxParts, ")");
     TORCH_CHECK(isa_runs(isa), "gguf_linear: kernel variant ", isa, " cannot run on this CPU");
     const at::Tensor x = x_in.contiguous();
     const int64_t M = x.size(0), K = x.size(1);
+    LinearPart parts[kMaxParts];
     int64_t N = 0;
-    bool need_k = false, need_b = false;
     for (size_t i = 0; i < weights.size(); i++) {
         TORCH_CHECK(is_k_quant((int)types[i]) || is_legacy_quant((int)types[i]), "gguf_linear: weight ", i,
                     " has ggml type ", types[i], ", which has no integer kernel (dequantize it instead)");
         check_blocks(weights[i], types[i], K, "gguf_linear");
-        need_k |= is_k_quant((int)types[i]);
-        need_b |= is_legacy_quant((int)types[i]);
+        parts[i] = {weights[i].data_ptr<uint8_t>(), weights[i].size(1), weights[i].size(0), types[i]};
         N += weights[i].size(0);
     }
     const float* bias_p = nullptr;
@@ -117,46 +189,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntAr
         bias_p = bias->data_ptr<float>();
     }
     at::Tensor y = at::empty({M, N}, x.options());
-    if (M == 0) return y;
-    const Rounded r = round_activations(x, need_k, need_b);
-
-    // Work items: chunks of output columns of every part, taken dynamically by the threads (parts
-    // of different types cost different time per column).
-    struct Part {
-        GemmTask task;
-        int64_t rows;
-    };
-    std::vector<Part> parts;
-    std::vector<int64_t> chunk_part, chunk_start;
-    int64_t col = 0;
-    const int threads = at::get_num_threads();
-    for (size_t i = 0; i < weights.size(); i++) {
-        const int type = (int)types[i];
-        const int64_t rows = weights[i].size(0);
-        GemmTask t{type, weights[i].data_ptr<uint8_t>(), weights[i].size(1), K,
-                   is_k_quant(type) ? r.k.data_ptr() : r.b.data_ptr(), M, y.data_ptr<float>() + col, N,
-                   bias_p ? bias_p + col : nullptr};
-        parts.push_back({t, rows});
-        // chunks small enough to balance the threads, large enough to amortise taking them
-        int64_t chunk = rows / (8 * threads);
-        chunk = chunk < 8 ? 8 : (chunk > 256 ? 256 : chunk);
-        for (int64_t s = 0; s < rows; s += chunk) {
-            chunk_part.push_back((int64_t)parts.size() - 1);
-            chunk_start.push_back(s);
-        }
-        col += rows;
-    }
-    const GemmFn fn = gemm_fn(isa);
-    std::atomic<int64_t> next{0};
-    const int64_t total = (int64_t)chunk_part.size();
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-        for (int64_t c = next++; c < total; c = next++) {
-            const Part& p = parts[chunk_part[c]];
-            const int64_t s = chunk_start[c];
-            const int64_t e = (c + 1 < total && chunk_part[c + 1] == chunk_part[c]) ? chunk_start[c + 1] : p.rows;
-            fn(p.task, s, e);
-        }
-    });
+    linear_core(parts, (int)weights.size(), x.data_ptr<float>(), M, K, y.data_ptr<float>(), bias_p, isa);
     return y;
 }
 
@@ -222,6 +255,23 @@ at::Tensor gguf_round_activations(const at::Tensor& x_in, int64_t block) {
 
 }  // namespace
 }  // namespace specserve
+
+// For the native layer loop (specserve/model/csrc/decoder.c), which runs every layer of a step in
+// one call: the same product as gguf_linear, from a description the Python side fills (its layout
+// is mirrored by specserve.model.quant.GGUFLinearKernel.native) with arguments already checked.
+extern "C" {
+struct SpecserveGgufLinear {
+    int64_t n_parts, isa, K;
+    const float* bias;
+    specserve::LinearPart parts[4];
+};
+
+int specserve_gguf_linear(const void* desc, const float* x, int M, float* y) {
+    const SpecserveGgufLinear* d = (const SpecserveGgufLinear*)desc;
+    specserve::linear_core(d->parts, (int)d->n_parts, x, M, d->K, y, d->bias, d->isa);
+    return 0;
+}
+}
 
 TORCH_LIBRARY(specserve, m) {
     m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int isa) -> Tensor");

@@ -15,6 +15,9 @@ namespace avx2 {
 namespace {
 
 constexpr int kMaxTile = 64;
+// Up to this many activation rows, blocks are unpacked into registers per group of four rows
+// (gemm_few_k); beyond, once per tile into memory (gemm_k). Both give the same bits.
+constexpr int kFewRows = 8;
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -144,6 +147,143 @@ inline void dot_k(const Unpacked& u, const ActQ8K* x, int64_t stride, __m256* ac
     }
 }
 
+// ---- one activation row: unpack and multiply in one pass, nothing stored (the decode path, where
+// unpacking is not shared and memory bandwidth is the budget) --------------------------------------
+
+// pshufb patterns broadcasting int16 element j of a 128-bit lane to the whole lane.
+alignas(32) const uint8_t kBroadcast16[8][32] = {
+#define B16(j) {2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, \
+                2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1,  \
+                2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1}
+    B16(0), B16(1), B16(2), B16(3), B16(4), B16(5), B16(6), B16(7)
+#undef B16
+};
+
+// Q6_K: with four int16 scales 4q..4q+3 in every 64-bit quarter, sub-block j (scales 2j, 2j + 1;
+// q = j / 2) takes scale 2j in int16 lanes 0..7 and 2j + 1 in lanes 8..15: pattern j % 2.
+alignas(32) const uint8_t kScalePair[2][32] = {
+#define SP(a, b) {a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, \
+                  b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1}
+    SP(0, 2), SP(4, 6)
+#undef SP
+};
+
+inline __m256i bcast16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i*)kBroadcast16[j]));
+}
+
+// Q4_K / Q5_K super-block times R activation blocks (x[r * stride]): the quants of each pair of
+// sub-blocks are unpacked into registers once and applied to all R rows.
+template <bool Q5, int R>
+inline void dot_q45k(const uint8_t* blk, const ActQ8K* x, int64_t stride, __m256* acc) {
+    uint32_t w0, w1, w2;
+    __builtin_memcpy(&w0, blk + 4, 4);
+    __builtin_memcpy(&w1, blk + 8, 4);
+    __builtin_memcpy(&w2, blk + 12, 4);
+    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+    const __m128i sm = _mm_set_epi32(((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4), w1 & lo6,
+                                     (w2 & lo4) | (((w0 >> 6) & lo2) << 4), w0 & lo6);
+    const __m256i s16 = _mm256_cvtepu8_epi16(sm);  // scales 0..7, mins 0..7
+    const __m256i scales = _mm256_permute2x128_si256(s16, s16, 0x00);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t* qs = blk + (Q5 ? 48 : 16);
+    __m256i vh = _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+    if (Q5) vh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+    __m256i sum[R];
+    for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (Q5) {
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2 * j), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2 * j + 1), one), 4));
+        }
+        const __m256i s0 = bcast16(scales, 2 * j), s1 = bcast16(scales, 2 * j + 1);
+        for (int r = 0; r < R; r++) {
+            const int8_t* xq = x[r * stride].qs + 64 * j;
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xq));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 32)));
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
+        }
+    }
+    const __m128i mins = _mm256_extracti128_si256(s16, 1);
+    const __m256i mins2 = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));
+    const float d = half(blk), dmin = half(blk + 2);
+    for (int r = 0; r < R; r++) {
+        const ActQ8K& xr = x[r * stride];
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)xr.bsums), mins2);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * xr.d), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(dmin * xr.d), acc[r]);
+    }
+}
+
+// Q6_K super-block times R activation blocks.
+template <int R>
+inline void dot_q6k(const uint8_t* blk, const ActQ8K* x, int64_t stride, __m256* acc) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));  // 16 scales
+    // scales 4q..4q+3 in every quarter: sub-block j's two scales are in quarters[j / 2]
+    const __m256i quarters[4] = {_mm256_permute4x64_epi64(sc16, 0x00), _mm256_permute4x64_epi64(sc16, 0x55),
+                                 _mm256_permute4x64_epi64(sc16, 0xAA), _mm256_permute4x64_epi64(sc16, 0xFF)};
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i sum[R];
+    for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+        const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = _mm256_and_si256(t & 2 ? _mm256_srli_epi16(t & 1 ? v1 : v0, 4) : (t & 1 ? v1 : v0), m4);
+            const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2 * t), m2), 4));
+            const int j = 4 * h + t;  // sub-block of 32: scales 2j (first 16) and 2j + 1
+            const __m256i sc = _mm256_shuffle_epi8(quarters[j / 2], _mm256_load_si256((const __m256i*)kScalePair[j & 1]));
+            for (int r = 0; r < R; r++) {
+                const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r * stride].qs + 32 * j)));
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, sc));
+            }
+        }
+    }
+    const float d = half(blk + 208);
+    for (int r = 0; r < R; r++) {
+        const ActQ8K& xr = x[r * stride];
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)xr.bsums), sc16);
+        const __m256i v = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(off, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * xr.d), acc[r]);
+    }
+}
+
+template <int Type, int R>
+inline void dot_k_fused(const uint8_t* blk, const ActQ8K* x, int64_t stride, __m256* acc) {
+    if (Type == kQ6_K) dot_q6k<R>(blk, x, stride, acc);
+    else dot_q45k<Type == kQ5_K, R>(blk, x, stride, acc);
+}
+
+// Few activation rows: every weight row is streamed once, its blocks unpacked into registers once
+// per group of up to four rows.
+template <int Type>
+void gemm_few_k(const GemmTask& t, int64_t n0, int64_t n1) {
+    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
+    const int64_t nb = t.K / kQK;
+    const ActQ8K* x = (const ActQ8K*)t.xq;
+    const int M = (int)t.M;
+    __m256 acc[kMaxTile];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* row = t.w + n * t.row_bytes;
+        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t* blk = row + b * kBytes;
+            int i = 0;
+            for (; i + 4 <= M; i += 4) dot_k_fused<Type, 4>(blk, x + i * nb + b, nb, acc + i);
+            switch (M - i) {
+                case 3: dot_k_fused<Type, 3>(blk, x + i * nb + b, nb, acc + i); break;
+                case 2: dot_k_fused<Type, 2>(blk, x + i * nb + b, nb, acc + i); break;
+                case 1: dot_k_fused<Type, 1>(blk, x + i * nb + b, nb, acc + i); break;
+                default: break;
+            }
+        }
+        for (int i = 0; i < M; i++) t.y[i * t.ldy + n] = hsum(acc[i]) + (t.bias ? t.bias[n] : 0.0f);
+    }
+}
+
 template <int Type>
 void gemm_k(const GemmTask& t, int64_t n0, int64_t n1) {
     constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
@@ -242,9 +382,9 @@ void gemm_legacy(const GemmTask& t, int64_t n0, int64_t n1) {
 
 void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
     switch (t.type) {
-        case kQ4_K: return gemm_k<kQ4_K>(t, n0, n1);
-        case kQ5_K: return gemm_k<kQ5_K>(t, n0, n1);
-        case kQ6_K: return gemm_k<kQ6_K>(t, n0, n1);
+        case kQ4_K: return t.M <= kFewRows ? gemm_few_k<kQ4_K>(t, n0, n1) : gemm_k<kQ4_K>(t, n0, n1);
+        case kQ5_K: return t.M <= kFewRows ? gemm_few_k<kQ5_K>(t, n0, n1) : gemm_k<kQ5_K>(t, n0, n1);
+        case kQ6_K: return t.M <= kFewRows ? gemm_few_k<kQ6_K>(t, n0, n1) : gemm_k<kQ6_K>(t, n0, n1);
         case kQ8_0: return gemm_legacy<kQ8_0>(t, n0, n1);
         case kQ4_0: return gemm_legacy<kQ4_0>(t, n0, n1);
         case kQ4_1: return gemm_legacy<kQ4_1>(t, n0, n1);

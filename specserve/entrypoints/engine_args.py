@@ -33,10 +33,11 @@ def speculative_config(speculative: SpeculativeConfig | dict[str, Any] | str | N
 class EngineArgs:
     """Everything that shapes an engine, with the defaults of `specserve generate/serve`.
 
-    quantization: auto | none | int8 | int4. auto takes the precision the weights were shipped
-        in: a GGUF whose projections are Q4_0/Q4_1 runs int4 (from its own blocks, exactly),
-        Q8_0 runs int8; anything else runs the float dtype (none).
-    kv_cache_dtype: auto | float32 | bfloat16 | float16. auto: bfloat16 on the CPU with int8/int4
+    quantization: auto | none | int8 | int4 | gguf. auto takes the precision the weights were
+        shipped in: on the CPU a GGUF runs on its own blocks (gguf: each tensor its own type, never
+        requantized), except one whose projections are all Q4_0/Q4_1 (int4, from its own blocks
+        exactly) or Q8_0 (int8); anything else runs the float dtype (none).
+    kv_cache_dtype: auto | float32 | bfloat16 | float16. auto: bfloat16 on the CPU with quantized
         weights (half the memory of float32), else the model's dtype.
     attention_backend: auto | sdpa | cpu-paged (auto: the in-place CPU kernel where it builds).
     threads: CPU threads for PyTorch and the native kernels (None: PyTorch's default).
@@ -100,7 +101,8 @@ class EngineArgs:
         g.add_argument("--device", default=d.device, help="cpu or cuda")
         g.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16 (activations, KV cache)")
         g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_CHOICES,
-                       help="weight precision: auto = as shipped (the bundled Q4_1 GGUF: int4), none = float")
+                       help="weight precision: auto = as shipped (a GGUF: its own blocks, gguf; the bundled Q4_1 GGUF: "
+                            "int4), none = float")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
         g.add_argument("--max-model-len", type=int, default=d.max_model_len)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -150,7 +152,7 @@ class EngineArgs:
         """The KV cache dtype, given the weights' resolved precision."""
         if self.kv_cache_dtype != "auto":
             return parse_dtype(self.kv_cache_dtype)
-        if self.device == "cpu" and precision in ("int8", "int4"):
+        if self.device == "cpu" and precision in ("int8", "int4", "gguf"):
             return torch.bfloat16
         return parse_dtype(self.dtype)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import time
 import zlib
 from collections import Counter
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -18,7 +20,10 @@ from specserve.errors import InvalidRequestError
 from specserve.isa import bf16_works
 from specserve.model.attention import in_place_attention
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
-from specserve.model.loader import DEFAULT_MODEL, gguf_int4_source, load_model_files, resolve_quantization
+from specserve.model.gguf_file import GGUFFile
+from specserve.model.gguf_model import gguf_config, gguf_tokenizer_dir, install_gguf_weights, rope_freq_factors
+from specserve.model.loader import (DEFAULT_MODEL, gguf_behind, gguf_int4_source, load_model_files,
+                                    resolve_quantization)
 from specserve.model.quant import prepare_linears
 from specserve.model.tuning import KernelTuner
 from specserve.outputs import RequestOutput
@@ -38,13 +43,13 @@ def build_model(
     for `quantization` (auto: as the weights were shipped); returns (model, tokenizer or None,
     max_model_len, the precision the weights run in). `layer_loop`: the engine's attention can run
     the native layer loop (the in-place CPU backend), so float32 may choose it."""
+    if load_format != "dummy":
+        gguf_path = gguf_behind(model, load_format)
+        if resolve_quantization(quantization, gguf_path, device) == "gguf":
+            return _build_gguf_model(gguf_path, dtype, max_model_len)  # type: ignore[arg-type]
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
-    limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
-        raise InvalidRequestError(
-            "max_model_len", f"{max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
-        )
+    limit = _check_limit(max_model_len, cfg)
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_positions=limit)
     if loaded.state_dict is None:
@@ -63,7 +68,7 @@ def build_model(
         net.lm_head.weight = net.embed_tokens.weight
     loaded = dataclasses.replace(loaded, state_dict=None)
     net.eval()
-    precision = resolve_quantization(quantization, loaded.gguf_path)
+    precision = resolve_quantization(quantization, loaded.gguf_path, device)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
     tuner = KernelTuner(torch.device(device))
     # float32 on the CPU: the native layer loop's kernels, built before the dense weights may go
@@ -80,6 +85,36 @@ def build_model(
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
     _return_freed_memory()
     return net, tokenizer, limit, precision
+
+
+def _check_limit(max_model_len: int | None, cfg: Any) -> int:
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise InvalidRequestError(
+            "max_model_len", f"{max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
+        )
+    return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None) -> tuple[LlamaForCausalLM, Any, int, str]:
+    """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU."""
+    if dtype != torch.float32:
+        raise InvalidRequestError("dtype", f"the GGUF kernels take float32 activations, not {dtype}; "
+                                           "use --dtype float32 or --quantization none")
+    start = time.perf_counter()
+    g = GGUFFile(path)
+    cfg = gguf_config(g)
+    limit = _check_limit(max_model_len, cfg)
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, max_positions=limit)
+    tuner = KernelTuner(torch.device("cpu"))
+    chosen = install_gguf_weights(net, g, cfg, tuner.choose)
+    net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors(g))
+    net.eval()
+    tokenizer = load_tokenizer(gguf_tokenizer_dir(path))
+    logger.info("%s: weights in the file's blocks (%s); kernels: %s; loaded in %.1f s", path.name,
+                ", ".join(f"{n} x{c}" for n, c in Counter(t.type_name for t in g.tensors.values()).items()),
+                ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()), time.perf_counter() - start)
+    return net, tokenizer, limit, "gguf"
 
 
 def _return_freed_memory() -> None:

@@ -72,9 +72,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling,
+                 freq_factors: torch.Tensor | None = None) -> None:
+        """`freq_factors`: per-frequency divisors given as a tensor (Llama 3.x GGUF files carry their
+        scaling so), applied instead of `scaling`."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        if freq_factors is not None:
+            inv_freq = rope_inv_freq(head_dim, theta, RopeScaling()) / freq_factors.float()
+        else:
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -279,23 +279,30 @@ _GGUF_PARTS = {
 }
 
 
-def resolve_quantization(requested: str, gguf_path: Path | None) -> str:
-    """`requested`, or for "auto" the precision the weights were shipped in: a GGUF whose
-    projections are all Q4_0/Q4_1 -> int4, all Q8_0 -> int8; anything else -> none."""
+def resolve_quantization(requested: str, gguf_path: Path | None, device: str = "cpu") -> str:
+    """`requested`, or for "auto" the precision the weights were shipped in: a GGUF on the CPU runs
+    on its own blocks ("gguf"), except one whose projections are all Q4_0/Q4_1 (int4, the file's
+    blocks exactly) or all Q8_0 (int8), which the native layer loop runs; a GGUF elsewhere, and
+    every Hugging Face checkpoint, run in the float dtype ("none")."""
+    if requested == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization: 'gguf' runs a GGUF file's own blocks; this model is not a GGUF file")
+        if device != "cpu":
+            raise ValueError(f"quantization: 'gguf' kernels run on the CPU, not on {device!r}")
     if requested != "auto":
         return requested
     if gguf_path is None:
         return "none"
-    import gguf
+    from specserve.model.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    kinds = {t.tensor_type.name for t in reader.tensors
+    g = GGUFFile(gguf_path)
+    kinds = {t.type_name for t in g.tensors.values()
              if t.name.startswith("blk.") and t.name.rsplit(".", 2)[-2] in _GGUF_PROJECTIONS}
     if kinds and kinds <= {"Q4_0", "Q4_1"}:
         return "int4"
     if kinds == {"Q8_0"}:
         return "int8"
-    return "none"
+    return "gguf" if device == "cpu" else "none"
 
 
 _GGUF_PROJECTIONS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
@@ -330,6 +337,18 @@ def gguf_int4_source(gguf_path: Path, cfg: ModelConfig) -> Callable[[str], Any]:
         return weights[0] if len(weights) == 1 else Int4Weight.cat(weights)
 
     return source
+
+
+def gguf_behind(model: str, load_format: str = "auto") -> Path | None:
+    """The GGUF file `model` names (an alias, a path), or None for a Hugging Face directory."""
+    path = resolve_model_path(model)
+    if path.suffix != ".gguf":
+        if load_format == "gguf":
+            raise ValueError(f"load_format: 'gguf' given but {path} is not a GGUF file")
+        return None
+    if load_format == "hf":
+        raise ValueError(f"load_format: 'hf' given but {path} is a GGUF file")
+    return path
 
 
 def load_model_files(model: str, load_format: str = "auto") -> LoadedModel:

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from specserve.model import native
-from specserve.model.quant import NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel
+from specserve.model.quant import GGUFLinearKernel, NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel
 
 _P = ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad", ctypes.c_int32),
-                ("w", _P), ("scale", _P), ("minimum", _P), ("bias", _P)]
+                ("w", _P), ("scale", _P), ("minimum", _P), ("bias", _P), ("fn", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -54,6 +54,9 @@ def _linear(module: Any) -> _Linear | None:
     if isinstance(k, NativeF32Kernel):
         n, kk = k.weight.shape
         return _Linear(0, n, kk, 0, k.weight.data_ptr(), None, None, bias)
+    if isinstance(k, GGUFLinearKernel):  # the block kernels of specserve/_C, through their C entry point
+        fn, ctx = k.native()
+        return _Linear(3, k.out_features, k.in_features, 0, ctx, None, None, None, fn)
     return None
 
 

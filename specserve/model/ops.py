@@ -59,6 +59,21 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
 
+@functools.cache
+def _library_path() -> Path:
+    load()
+    package = Path(__file__).resolve().parent.parent
+    return sorted(package.glob("_C*.so"))[0]
+
+
+@functools.cache
+def native_entry(symbol: str) -> int:
+    """The address of one of the library's C entry points (for the native layer loop)."""
+    import ctypes
+
+    return ctypes.cast(getattr(ctypes.CDLL(str(_library_path())), symbol), ctypes.c_void_p).value or 0
+
+
 def runnable_isas() -> tuple[str, ...]:
     """The kernel variants this CPU can run, by name."""
     load()

@@ -30,8 +30,9 @@ from torch import nn
 
 logger = logging.getLogger("specserve.model")
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 GROUP_SIZE = 32
+KernelFactory = Callable[[], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -329,10 +330,77 @@ class NativeInt4Kernel(_NativeKernel):
                                      _ptr(self.bias))
 
 
+# -- GGUF blocks as the file stores them (csrc/ops.cpp: torch.ops.specserve.*) --------------------
+
+
+class GGUFLinearKernel(nn.Module):
+    """A projection over GGUF weight tensors as the file stores them (each its own type: a fused
+    q/k/v may be Q4_K, Q4_K and Q6_K), stacked along the output; activations float32, rounded to
+    int8 per block inside the operator. `isa` names the compiled variant that runs it."""
+
+    def __init__(self, parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str) -> None:
+        super().__init__()
+        from specserve.model import ops
+
+        ops.load()
+        self.parts = parts  # uint8 [rows, bytes per row] views of the mapped file (not buffers: never copied)
+        self.types = list(types)
+        self.isa = isa
+        self._isa_id = ops.isa_id(isa)
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.in_features = _gguf_cols(parts[0], types[0])
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self._desc: ctypes.Structure | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            return torch.ops.specserve.gguf_linear(x, self.parts, self.types, self.bias, self._isa_id)
+        shape = x.shape
+        y = torch.ops.specserve.gguf_linear(x.reshape(-1, shape[-1]).float(), self.parts, self.types, self.bias,
+                                            self._isa_id)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+    def native(self) -> tuple[int, int]:
+        """(address of the C entry point, address of this projection's description) for the native
+        layer loop, which then computes exactly what forward() does."""
+        from specserve.model import ops
+
+        if self._desc is None:
+            desc = _GGUFLinearDesc(len(self.parts), self._isa_id, self.in_features,
+                                   None if self.bias is None else self.bias.data_ptr())
+            for i, (p, t) in enumerate(zip(self.parts, self.types)):
+                desc.parts[i] = _GGUFPart(p.data_ptr(), p.shape[1], p.shape[0], t)
+            self._desc = desc
+        return ops.native_entry("specserve_gguf_linear"), ctypes.addressof(self._desc)
+
+
+class _GGUFPart(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("type", ctypes.c_int64)]
+
+
+class _GGUFLinearDesc(ctypes.Structure):  # ops.cpp: SpecserveGgufLinear
+    _fields_ = [("n_parts", ctypes.c_int64), ("isa", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("bias", ctypes.c_void_p), ("parts", _GGUFPart * 4)]
+
+
+def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
+    from specserve.model.gguf_file import GGML_TYPES
+
+    _, elems, size = GGML_TYPES[type_id]
+    return blocks.shape[1] // size * elems
+
+
+def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None) -> dict[str, KernelFactory]:
+    """The compiled variants this CPU runs for these GGUF tensors, by name ("gguf-avx2", ...)."""
+    from specserve.model import ops
+
+    return {f"gguf-{isa}": functools.partial(GGUFLinearKernel, parts, types, bias, isa)
+            for isa in ops.runnable_isas()}
+
+
 # -- which kernels a device offers for a precision ------------------------------------------------
-
-KernelFactory = Callable[[], nn.Module]
-
 
 def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
                int4: Int4Weight | None = None) -> dict[str, KernelFactory]:

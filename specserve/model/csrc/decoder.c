@@ -14,14 +14,18 @@
 #include "gemm_small.c"
 #include "paged_attention.c"
 
-enum { LIN_F32 = 0, LIN_W8A8 = 1, LIN_W4A8 = 2 };
+enum { LIN_F32 = 0, LIN_W8A8 = 1, LIN_W4A8 = 2, LIN_EXTERNAL = 3 };
+
+/* A projection computed elsewhere (the GGUF block kernels of specserve/_C): fn(w, x, M, y). */
+typedef int (*external_linear_fn)(const void *ctx, const float *x, int M, float *y);
 
 typedef struct {
     int32_t kind, n, k, pad;
-    const void *w;        /* f32 [N, K], int8 [N, K] or packed int4 [N, K/2] */
+    const void *w;        /* f32 [N, K], int8 [N, K], packed int4 [N, K/2], or the external kernel's context */
     const float *scale;   /* int8: [N]; int4: [N, K/32] */
     const float *minimum; /* int4: [N, K/32] */
     const float *bias;    /* [N] or NULL */
+    external_linear_fn fn; /* LIN_EXTERNAL */
 } linear_t;
 
 typedef struct {
@@ -35,6 +39,7 @@ static int run_linear(const linear_t *l, const float *x, int M, float *y) {
         case LIN_F32: return gemm_f32(x, M, l->k, (const float *)l->w, l->n, y, l->bias);
         case LIN_W8A8: return linear_i8q8(x, M, l->k, (const int8_t *)l->w, l->scale, l->n, y, l->bias);
         case LIN_W4A8: return linear_i4q8(x, M, l->k, (const uint8_t *)l->w, l->scale, l->minimum, l->n, y, l->bias);
+        case LIN_EXTERNAL: return l->fn(l->w, x, M, y);
         default: return -10;
     }
 }

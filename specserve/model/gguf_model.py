@@ -1,0 +1,201 @@
+"""A GGUF model run on its own blocks (`--quantization gguf`, what `auto` picks for a GGUF on the CPU).
+
+Nothing is dequantized and requantized: every projection multiplies the file's tensors as they
+are (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1; a fused q/k/v or gate/up keeps each part's own type),
+the embedding dequantizes only the rows it looks up, and the LM head is the file's output tensor
+(or the embedding's, when tied). Weights stay in the file's mapping; only norms and biases are
+copied out. Llama-architecture files store Q and K rows permuted for llama.cpp's rotary layout:
+those two tensors are put back in row order (a copy of their blocks, not a requantization).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.model.gguf_file import GGUFError, GGUFFile, QUANTIZED, StringArray
+from specserve.model.quant import KernelFactory, gguf_candidates
+
+logger = logging.getLogger("specserve.model")
+
+ARCHITECTURES = ("llama", "qwen2")
+
+Chooser = Callable[[str, tuple[int, int], torch.dtype, dict[str, KernelFactory]], tuple[str, nn.Module]]
+
+
+def gguf_config(g: GGUFFile) -> ModelConfig:
+    """The model's shape from the file's metadata."""
+    arch = g.require("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"model: {g.path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})")
+    n_head = int(g.require(f"{arch}.attention.head_count"))
+    hidden = int(g.require(f"{arch}.embedding_length"))
+    vocab = g.tensor("token_embd.weight").shape[0]
+    rope_scaling: dict[str, Any] | None = None
+    if g.get(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(g.require(f"{arch}.rope.scaling.factor"))}
+    eos = g.get("tokenizer.ggml.eos_token_id")
+    tokens = g.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, StringArray) and tokens.count > vocab:
+        vocab = tokens.count
+    hf = {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(g.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(g.require(f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(g.get(f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": int(g.get(f"{arch}.rope.dimension_count", hidden // n_head)),
+        "rms_norm_eps": float(g.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(g.get(f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "bos_token_id": g.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+    }
+    return ModelConfig.from_hf_dict(hf)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+
+
+def gguf_tokenizer_dir(path: Path) -> Path:
+    """A directory with the file's tokenizer (converted by transformers, once per file: about 20 s
+    for a 150k vocabulary; later starts read the cached conversion) and its config.json."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:tok1".encode()).hexdigest()[:16]
+    target = _cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoTokenizer
+
+    logger.warning("converting the tokenizer of %s (once per file; later starts use %s)", path.name, target)
+    start = time.perf_counter()
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "config.json").write_text(json.dumps(gguf_config(GGUFFile(path)).to_hf_dict(), indent=2))
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.warning("tokenizer converted in %.1f s", time.perf_counter() - start)
+    return target
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept in the file's blocks; a lookup dequantizes only the rows it needs."""
+
+    def __init__(self, blocks: torch.Tensor, type_id: int, dim: int) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.type_id = type_id
+        self.embedding_dim = dim
+        self.num_embeddings = blocks.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specserve.gguf_embedding(ids, self.blocks, self.type_id, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table as float32 (a copy, made on each access: for drafters that need the
+        dense table, such as a learned head's inputs)."""
+        return torch.ops.specserve.gguf_dequantize(self.blocks, self.type_id, self.embedding_dim)
+
+
+def _unpermute_rows(blocks: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Q/K rows of a llama-architecture GGUF back in the order of the Hugging Face layout (llama.cpp's
+    converter interleaves the two halves of every head for its rotary embedding)."""
+    rows = blocks.shape[0]
+    return blocks.reshape(n_head, rows // n_head // 2, 2, *blocks.shape[1:]).swapaxes(1, 2).reshape(blocks.shape)
+
+
+# Engine projection -> the GGUF tensors whose rows it stacks, in order.
+_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: Chooser) -> dict[str, str]:
+    """Give `net` (built on the meta device) the file's weights: norms and biases copied out as
+    float32, the embedding and every projection over the mapped blocks, each projection's compiled
+    variant chosen by `choose`. Returns {module name: kernel name}."""
+    from specserve.model import ops
+
+    ops.load()
+    cpu = torch.device("cpu")
+
+    def floats(name: str) -> nn.Parameter:
+        return nn.Parameter(g.floats(name).to(cpu), requires_grad=False)
+
+    def blocks(name: str) -> tuple[torch.Tensor, int]:
+        t = g.tensor(name)
+        data = g.data(name, QUANTIZED)
+        layer, _, short = name.partition(".weight")[0].rpartition(".")
+        if cfg.model_type == "llama" and short in ("attn_q", "attn_k"):
+            data = _unpermute_rows(data, cfg.num_heads if short == "attn_q" else cfg.num_kv_heads).contiguous()
+        return data, t.type_id
+
+    embed = g.tensor("token_embd.weight")
+    if embed.type_name in QUANTIZED:
+        net.embed_tokens = GGUFEmbedding(g.data("token_embd.weight", QUANTIZED), embed.type_id, cfg.hidden_size)
+    else:
+        net.embed_tokens = nn.Embedding.from_pretrained(g.floats("token_embd.weight"), freeze=True)
+    net.norm.weight = floats("output_norm.weight")
+    chosen: dict[str, str] = {}
+
+    def install(module: nn.Module, name: str, tensors: list[str], bias: torch.Tensor | None) -> None:
+        parts, types = zip(*(blocks(t) for t in tensors))
+        what = "gguf:" + "+".join(g.tensor(t).type_name for t in tensors)
+        shape = (sum(p.shape[0] for p in parts), cfg.hidden_size if "down" not in name else cfg.intermediate_size)
+        kernel_name, kernel = choose(what, shape, torch.float32, gguf_candidates(list(parts), list(types), bias))
+        module.kernel = kernel
+        module.weight = None  # the kernel holds the weights (and the bias)
+        module.bias = None
+        chosen[name] = kernel_name
+
+    for i, layer in enumerate(net.layers):
+        p = f"blk.{i}."
+        layer.input_layernorm.weight = floats(p + "attn_norm.weight")
+        layer.post_attention_layernorm.weight = floats(p + "ffn_norm.weight")
+        for attr, gnames in _PARTS.items():
+            sub, proj = attr.split(".")
+            module = getattr(getattr(layer, sub), proj)
+            bias = None
+            if attr == "self_attn.qkv_proj" and cfg.attention_bias:
+                bias = torch.cat([_bias(g, cfg, p + n) for n in gnames])
+            install(module, f"layers.{i}.{attr}", [p + n + ".weight" for n in gnames], bias)
+    install(net.lm_head, "lm_head", ["output.weight" if "output.weight" in g.tensors else "token_embd.weight"], None)
+    return chosen
+
+
+def _bias(g: GGUFFile, cfg: ModelConfig, name: str) -> torch.Tensor:
+    b = g.floats(name + ".bias")
+    short = name.rpartition(".")[2]
+    if cfg.model_type == "llama" and short in ("attn_q", "attn_k"):
+        b = _unpermute_rows(b, cfg.num_heads if short == "attn_q" else cfg.num_kv_heads).contiguous()
+    return b
+
+
+def rope_freq_factors(g: GGUFFile) -> torch.Tensor | None:
+    """Llama 3.x files carry their rotary frequency scaling as a tensor of per-frequency divisors."""
+    return g.floats("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
