@@ -1,0 +1,279 @@
+"""GGUF models on their own blocks: every block type decodes exactly as gguf-py decodes it; every
+compiled kernel variant computes the dequantized product of what it was given, and computes a row
+bit for bit the same alone or in any batch of 1..70 rows; a model read from a k-quant file computes
+what its dequantized weights compute, in the Qwen2 and Llama layouts; speculation stays lossless
+on it; a broken file is an error that names the file and the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from specserve import LLM, SamplingParams
+from specserve.model import ops
+from specserve.model.gguf_file import GGUFError, GGUFFile
+
+from conftest import random_prompts, shuffle_grants, write_random_head
+from gguf_fixtures import random_blocks, write_model
+
+ops.load()
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ISAS = ops.runnable_isas()
+SUPER = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+def _blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    return torch.from_numpy(raw), dequantize(raw, qtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_blocks_dequantize_exactly_as_gguf_py(qtype: Q) -> None:
+    blocks, ref = _blocks(qtype, 24, 512)
+    out = torch.ops.specserve.gguf_dequantize(blocks, int(qtype), 512)
+    assert torch.equal(out, torch.from_numpy(ref))
+    ids = torch.tensor([3, 0, 23, 3])
+    assert torch.equal(torch.ops.specserve.gguf_embedding(ids, blocks, int(qtype), 512), out[ids])
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32], ids=lambda t: t.name)
+def test_float_tensors_dequantize_exactly(qtype: Q) -> None:
+    x = torch.randn(5, 64)
+    data = {Q.F16: x.half(), Q.BF16: x.bfloat16(), Q.F32: x}[qtype]
+    raw = data.contiguous().view(torch.uint8).reshape(5, -1)
+    assert torch.equal(torch.ops.specserve.gguf_dequantize(raw, int(qtype), 64), data.float())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_variant_computes_the_dequantized_product(qtype: Q, isa: str) -> None:
+    """x as the kernels round it (int8 per block) times the dequantized weights, in float64: the
+    kernel agrees to float32 rounding."""
+    blocks, ref = _blocks(qtype, 40, 768, seed=1)
+    x = torch.randn(9, 768) * 3
+    rounded = torch.ops.specserve.gguf_round_activations(x, 256 if qtype in SUPER else 32)
+    expect = rounded.double() @ torch.from_numpy(ref).double().T
+    bias = torch.randn(40)
+    y = torch.ops.specserve.gguf_linear(x, [blocks], [int(qtype)], bias, ops.isa_id(isa))
+    err = (y.double() - bias.double() - expect).abs().max() / expect.abs().max()
+    assert err < 2e-6, err
+    # the rounding itself: at most half a step of each block's scale away from x
+    step = (x.abs().reshape(9, -1, 256 if qtype in SUPER else 32).amax(-1, keepdim=True) / 127)
+    assert ((rounded - x).reshape(step.shape[0], step.shape[1], -1).abs() <= step / 2 * 1.0001).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_variant_is_batch_invariant_bit_for_bit(qtype: Q, isa: str) -> None:
+    """Each variant, forced (not left to the tuner): a row's result is the same bits alone and
+    among any number of rows from 1 to 70 (the paths for few rows and for tiles of many differ)."""
+    blocks, _ = _blocks(qtype, 24, 512, seed=2)
+    x = torch.randn(70, 512)
+    run = lambda rows: torch.ops.specserve.gguf_linear(rows, [blocks], [int(qtype)], None, ops.isa_id(isa))  # noqa: E731
+    full = run(x)
+    alone = torch.cat([run(x[i:i + 1]) for i in range(70)])
+    assert torch.equal(full, alone)
+    for m in range(2, 70):
+        assert torch.equal(run(x[:m]), full[:m]), m
+        assert torch.equal(run(x[70 - m:]), full[70 - m:]), m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_fused_projection_of_mixed_types_is_its_parts_side_by_side(isa: str) -> None:
+    parts = [_blocks(t, r, 512, seed=i)[0] for i, (t, r) in enumerate([(Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 8)])]
+    types = [int(Q.Q4_K), int(Q.Q6_K), int(Q.Q8_0)]
+    x, bias = torch.randn(5, 512), torch.randn(72)
+    fused = torch.ops.specserve.gguf_linear(x, parts, types, bias, ops.isa_id(isa))
+    alone = torch.cat([torch.ops.specserve.gguf_linear(x, [p], [t], None, ops.isa_id(isa))
+                       for p, t in zip(parts, types)], dim=1) + bias
+    assert torch.equal(fused, alone)
+
+
+def test_bad_arguments_are_errors_that_say_what_is_wrong() -> None:
+    blocks, _ = _blocks(Q.Q4_K, 8, 512)
+    with pytest.raises(RuntimeError, match="x must be a 2-D float32"):
+        torch.ops.specserve.gguf_linear(torch.randn(2, 512).double(), [blocks], [int(Q.Q4_K)], None, 0)
+    with pytest.raises(RuntimeError, match="rows of 288 bytes do not hold 768 elements"):
+        torch.ops.specserve.gguf_linear(torch.randn(2, 768), [blocks], [int(Q.Q4_K)], None, 0)
+    with pytest.raises(RuntimeError, match="weight 0 has ggml type 7, which has no integer kernel"):
+        torch.ops.specserve.gguf_linear(torch.randn(2, 512), [blocks], [7], None, 0)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        torch.ops.specserve.gguf_linear(torch.randn(2, 512), [blocks], [int(Q.Q4_K)], torch.zeros(3), 0)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        torch.ops.specserve.gguf_embedding(torch.tensor([8]), blocks, int(Q.Q4_K), 512)
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("gguf")
+    return {
+        "qwen2": write_model(d / "qwen2.gguf", "qwen2"),
+        "llama": write_model(d / "llama.gguf", "llama", tie=True, seed=1,
+                             types={"attn_q": Q.Q5_K, "attn_k": Q.Q8_0, "ffn_up": Q.Q4_0, "ffn_gate": Q.Q4_1,
+                                    "token_embd": Q.Q6_K}),
+    }
+
+
+class _RoundedDense(torch.nn.Module):
+    """A dense projection whose input is rounded as the block kernels round it, part by part."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int], types: list[int]) -> None:
+        super().__init__()
+        self.weights = weight.split(rows)
+        self.blocks = [256 if Q(t) in SUPER else 32 for t in types]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([torch.nn.functional.linear(torch.ops.specserve.gguf_round_activations(x, blk), w)
+                       for w, blk in zip(self.weights, self.blocks)], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_model_on_its_blocks_computes_what_its_dequantized_weights_compute(files: dict[str, Path], arch: str) -> None:
+    """The same file run on its blocks (gguf) and dequantized to float32 (none), the float model's
+    projections given the same int8 rounding of their inputs: the same logits, up to rounding. So
+    the layouts agree (fused q/k/v and gate/up of mixed types, llama's permuted Q/K rows, Qwen2's
+    biases, a tied head) and nothing else differs."""
+    from specserve.model.forward import ForwardItem
+
+    prompt = random_prompts(1, seed=5, low=30, high=31, vocab=259)[0]
+    blocks = LLM(str(files[arch]), quantization="gguf", kv_cache_dtype="float32")
+    dense = LLM(str(files[arch]), quantization="none")
+    assert LLM(str(files[arch])).engine.config.cache.dtype == torch.bfloat16  # as the other quantized precisions
+    model = dense.engine.model
+    for name, module in model.named_modules():
+        if hasattr(module, "kernel"):
+            gk = blocks.engine.model.get_submodule(name).kernel
+            weight = module.weight if module.weight is not None else module.kernel.weight
+            module.kernel = _RoundedDense(weight.detach(), None if module.bias is None else module.bias.detach(),
+                                          [p.shape[0] for p in gk.parts], gk.types)
+    model.kernels_changed()
+    logits = []
+    for llm in (blocks, dense):
+        with torch.inference_mode():
+            logits.append(llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits)
+    a, b = logits
+    assert a.shape == b.shape == (len(prompt), 259)
+    # Float sums in another order can move a value across an int8 rounding boundary, a whole step
+    # of its block (1/127 of the block's largest value), and later layers carry that on: rows
+    # without such a flip agree to float rounding, the others by a few steps' worth. A layout
+    # error would move every logit by about its own size.
+    row = (a - b).abs().amax(-1) / b.abs().max()
+    assert row.max() < 0.03, row
+    assert (row < 1e-5).float().mean() >= 0.5, row
+
+
+def test_the_native_layer_loop_computes_the_python_layers_bit_for_bit(files: dict[str, Path]) -> None:
+    from specserve.model.forward import ForwardItem
+
+    llm = LLM(str(files["qwen2"]))
+    model, runner = llm.engine.model, llm.engine.runner
+    assert model._native(runner.kv_cache, torch.zeros(1, 256)) is not None  # the loop runs these kernels
+    prompt = random_prompts(1, seed=6, low=20, high=21, vocab=259)[0]
+    with torch.inference_mode():
+        native = runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits
+        model._native = lambda kv, x: None  # type: ignore[method-assign]
+        python = runner.run([ForwardItem(list(range(4, 8)), 0, prompt, logits="all")]).logits
+    assert torch.equal(native, python)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(files: dict[str, Path]) -> list[list[int]]:
+    llm = LLM(str(files["qwen2"]), max_num_batched_tokens=24)
+    return [o.token_ids for o in llm.generate(random_prompts(6, seed=9, vocab=259), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "recycling", "layer-skip", "draft-model", "eagle"])
+def test_greedy_speculation_on_a_k_quant_model_is_plain_decoding(
+    files: dict[str, Path], plain: list[list[int]], method: str, tmp_path: Path
+) -> None:
+    """Every drafter, grants shuffled step by step, chunked prefill: the plain greedy tokens."""
+    spec: dict = dict(method=method, num_tokens=4, controller="fixed")
+    if method == "draft-model":
+        spec["draft_model"] = str(files["llama"])  # another model with the same vocabulary: mostly rejected
+    if method == "layer-skip":
+        spec["draft_layers"] = 1
+    if method == "eagle":
+        from specserve.model.gguf_model import gguf_tokenizer_dir
+
+        spec["draft_model"] = str(write_random_head(gguf_tokenizer_dir(files["qwen2"]), tmp_path / "head"))
+    llm = shuffle_grants(LLM(str(files["qwen2"]), speculative=spec, max_num_batched_tokens=24), seed=3)
+    outs = llm.generate(random_prompts(6, seed=9, vocab=259), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain
+    assert llm.engine.draft_totals.proposed > 0
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_a_truncated_file_names_the_file_and_the_tensor(files: dict[str, Path], tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    data = files["qwen2"].read_bytes()
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFError, match=r"cut\.gguf is truncated: tensor 'output\.weight'"):
+        GGUFFile(cut)
+    with pytest.raises(GGUFError, match="cut.gguf"):
+        LLM(str(cut))
+    head_only = tmp_path / "head.gguf"
+    head_only.write_bytes(data[:100])
+    with pytest.raises(GGUFError, match=r"head\.gguf is truncated or corrupt"):
+        GGUFFile(head_only)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes([3, 0, 0, 0]) + bytes([0xFF] * 16) + data[24:2000])
+    with pytest.raises(GGUFError, match="garbage.gguf"):
+        GGUFFile(garbage)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        GGUFFile(not_gguf)
+
+
+def test_an_unsupported_type_names_the_tensor_and_its_type(files: dict[str, Path], tmp_path: Path) -> None:
+    """One tensor's type id rewritten in the header to IQ4_XS (a type this engine has no kernel for,
+    whose blocks are smaller than Q4_K's, so the file still holds the data)."""
+    raw = bytearray(files["qwen2"].read_bytes())
+    name = b"blk.1.ffn_up.weight"
+    at = raw.index(name) + len(name)
+    type_at = at + 4 + 8 * int.from_bytes(raw[at:at + 4], "little")  # after n_dims and the dims
+    assert int.from_bytes(raw[type_at:type_at + 4], "little") == int(Q.Q4_K)
+    raw[type_at:type_at + 4] = (23).to_bytes(4, "little")
+    bad = tmp_path / "iq4xs.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(GGUFError, match=r"iq4xs\.gguf: tensor 'blk\.1\.ffn_up\.weight' is IQ4_XS"):
+        LLM(str(bad))
+
+
+def test_auto_runs_a_k_quant_file_on_its_blocks_and_gguf_needs_a_gguf(files: dict[str, Path], tiny_llama: Path) -> None:
+    from specserve.model.loader import resolve_quantization
+
+    assert resolve_quantization("auto", files["qwen2"]) == "gguf"
+    assert resolve_quantization("auto", files["qwen2"], "cuda") == "none"
+    with pytest.raises(ValueError, match="quantization: 'gguf' runs a GGUF file's own blocks"):
+        LLM(str(tiny_llama), quantization="gguf")
+    with pytest.raises(Exception, match="dtype"):
+        LLM(str(files["qwen2"]), quantization="gguf", dtype="bfloat16")
+
+
+def test_weights_stay_in_the_files_mapping(files: dict[str, Path]) -> None:
+    """The kernels read the file's bytes where the mapping holds them: no projection, head or
+    embedding is copied (a Qwen2 file needs no row reordering)."""
+    llm = LLM(str(files["qwen2"]))
+    g = GGUFFile(files["qwen2"])
+    model = llm.engine.model
+    base = model.embed_tokens.blocks.data_ptr() - g.tensor("token_embd.weight").offset
+    layer = model.layers[1]
+    for module, names in ((layer.self_attn.qkv_proj, ["attn_q", "attn_k", "attn_v"]),
+                          (layer.mlp.down_proj, ["ffn_down"]), (model.lm_head, ["output"])):
+        for part, short in zip(module.kernel.parts, names):
+            full = short if short == "output" else f"blk.1.{short}"
+            assert part.data_ptr() - base == g.tensor(full + ".weight").offset, full
