@@ -28,14 +28,15 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def specserve_round(runner, table: list[int], context: int, rows: list[int], reps: int) -> dict[int, list[float]]:
+def specserve_round(runner, table: list[int], context: int, rows: list[int], reps: int,
+                    logits: str = "all") -> dict[int, list[float]]:
     from specserve.model.forward import ForwardItem
 
     out: dict[int, list[float]] = {k: [] for k in rows}
     with torch.inference_mode():
         for _ in range(reps):
             for k in rows:
-                item = ForwardItem(table, context, [17] * k, logits="all")
+                item = ForwardItem(table, context, [17] * k, logits=logits)
                 start = time.perf_counter()
                 runner.run([item])
                 out[k].append(time.perf_counter() - start)
@@ -57,6 +58,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=3, help="samples per row count per round")
+    p.add_argument("--logits", choices=["all", "last"], default="all",
+                   help="logits of every new row (verification) or of the last only (a prompt's prefill, "
+                        "as llama-bench's -p measures it)")
     p.add_argument("--llama-bench", help="path of llama-bench, to measure llama.cpp in the same run")
     p.add_argument("--spec-args", default="{}", help="LLM options as JSON (e.g. '{\"quantization\": \"gguf\"}')")
     p.add_argument("--json")
@@ -66,21 +70,23 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from specserve import LLM
 
-    llm = LLM(a.model, threads=a.threads, speculative="none", max_model_len=a.context + 64,
+    llm = LLM(a.model, threads=a.threads, speculative="none", max_model_len=a.context + max(rows) + 64,
+              max_num_batched_tokens=max(2048, max(rows)),
               **json.loads(a.spec_args))
     runner = llm.engine.runner
     block = runner.block_size
     table = list(range((a.context + max(rows)) // block + 2))
     from specserve.model.forward import ForwardItem
 
-    with torch.inference_mode():
-        runner.run([ForwardItem(table, 0, [11] * a.context, logits="none")])  # the cached prefix
+    if a.context:
+        with torch.inference_mode():
+            runner.run([ForwardItem(table, 0, [11] * a.context, logits="none")])  # the cached prefix
     samples: dict[str, dict[int, list[float]]] = {"specserve": {k: [] for k in rows}, "llama.cpp": {k: [] for k in rows}}
     for r in range(a.rounds):
         order = ["specserve", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "specserve"]
         for engine in order:
             if engine == "specserve":
-                got = specserve_round(runner, table, a.context, rows, a.reps)
+                got = specserve_round(runner, table, a.context, rows, a.reps, a.logits)
             elif a.llama_bench:
                 got = llama_round(a.llama_bench, a.model, a.threads, a.context, rows, a.reps)
             else:

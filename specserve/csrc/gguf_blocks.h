@@ -89,7 +89,9 @@ static inline void k_scale_min(int j, const uint8_t* q, uint8_t* d, uint8_t* m) 
 // Activations, quantized per row (every row alone: a row's numbers never depend on the others).
 //   Q8K: per 256 elements, d = max|x| / 127, q = round(x / d); sums of q per 16 (for the k-quants'
 //        mins and offsets);
-//   Q8B: per 32 elements, the same rule, and the sum of q (for Q4_0's offset and Q4_1's mins).
+//   Q8B: per 32 elements, the same rule, and d * sum(q) (for Q4_1's mins).
+// Legacy blocks are summed in two chains, even and odd blocks, added at the end (the float adds of
+// 32-element blocks would otherwise wait on each other); every path sums in that order.
 struct ActQ8K {
     float d;
     int16_t bsums[16];
@@ -97,7 +99,7 @@ struct ActQ8K {
 };
 struct ActQ8B {
     float d;
-    int32_t sum;
+    float s;  // d * sum(qs)
     int8_t qs[kQ32];
 };
 

@@ -257,30 +257,36 @@ inline void dot_k_fused(const uint8_t* blk, const ActQ8K* x, int64_t stride, __m
     else dot_q45k<Type == kQ5_K, R>(blk, x, stride, acc);
 }
 
-// Few activation rows: every weight row is streamed once, its blocks unpacked into registers once
-// per group of up to four rows.
+// One weight row against R activation rows (x[r * stride], one block after another): the block
+// is unpacked into registers once for the R rows; the accumulators stay in registers.
+template <int Type, int R>
+inline void row_k(const uint8_t* row, const ActQ8K* x, int64_t stride, int64_t nb, float* out) {
+    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) dot_k_fused<Type, R>(row + b * kBytes, x + b, stride, acc);
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
+// Few activation rows: every weight row is streamed once and read again from L1 per group of four
+// rows.
 template <int Type>
 void gemm_few_k(const GemmTask& t, int64_t n0, int64_t n1) {
-    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
     const int64_t nb = t.K / kQK;
     const ActQ8K* x = (const ActQ8K*)t.xq;
     const int M = (int)t.M;
-    __m256 acc[kMaxTile];
+    float out[kMaxTile];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = t.w + n * t.row_bytes;
-        for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t* blk = row + b * kBytes;
-            int i = 0;
-            for (; i + 4 <= M; i += 4) dot_k_fused<Type, 4>(blk, x + i * nb + b, nb, acc + i);
-            switch (M - i) {
-                case 3: dot_k_fused<Type, 3>(blk, x + i * nb + b, nb, acc + i); break;
-                case 2: dot_k_fused<Type, 2>(blk, x + i * nb + b, nb, acc + i); break;
-                case 1: dot_k_fused<Type, 1>(blk, x + i * nb + b, nb, acc + i); break;
-                default: break;
-            }
+        int i = 0;
+        for (; i + 4 <= M; i += 4) row_k<Type, 4>(row, x + i * nb, nb, nb, out + i);
+        switch (M - i) {
+            case 3: row_k<Type, 3>(row, x + i * nb, nb, nb, out + i); break;
+            case 2: row_k<Type, 2>(row, x + i * nb, nb, nb, out + i); break;
+            case 1: row_k<Type, 1>(row, x + i * nb, nb, nb, out + i); break;
+            default: break;
         }
-        for (int i = 0; i < M; i++) t.y[i * t.ldy + n] = hsum(acc[i]) + (t.bias ? t.bias[n] : 0.0f);
+        for (int r = 0; r < M; r++) t.y[r * t.ldy + n] = out[r] + (t.bias ? t.bias[n] : 0.0f);
     }
 }
 
@@ -319,61 +325,84 @@ void gemm_k(const GemmTask& t, int64_t n0, int64_t n1) {
 }
 
 // ---- legacy types, 32 per block: Q8_0 (w = d*q), Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) ---------
+// Two chains per row (even and odd blocks; see gguf_blocks.h), in every path.
+
+// acc[r] and extra[r] (Q4_1's mins: m * d_x * sum(q_x)) += one block for R activation rows.
+template <int Type, int R>
+inline void dot_legacy(const uint8_t* blk, const ActQ8B* x, int64_t stride, __m256* acc, float* extra) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const float d = half(blk);
+    if (Type == kQ4_1) {
+        const float mn = half(blk + 2);
+        const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 4));
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+        for (int r = 0; r < R; r++) {
+            const ActQ8B& xi = x[r * stride];
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)xi.qs)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xi.d), acc[r]);
+            extra[r] += mn * xi.s;
+        }
+        return;
+    }
+    __m256i q;  // signed quants
+    if (Type == kQ8_0) {
+        q = _mm256_loadu_si256((const __m256i*)(blk + 2));
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 2));
+        q = _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
+                            _mm256_set1_epi8(8));
+    }
+    const __m256i aq = _mm256_sign_epi8(q, q);
+    for (int r = 0; r < R; r++) {
+        const ActQ8B& xi = x[r * stride];
+        const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)xi.qs), q);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xi.d), acc[r]);
+    }
+}
+
+// One weight row against R activation rows, in registers: two chains (even, odd blocks) of
+// vector sums and of Q4_1's mins, added at the end.
+template <int Type, int R>
+inline void row_legacy(const uint8_t* row, const ActQ8B* x, int64_t stride, int64_t nb, float* out) {
+    constexpr int kBytes = Type == kQ8_0 ? 34 : (Type == kQ4_0 ? 18 : 20);
+    __m256 acc[2][R];
+    float extra[2][R];
+    for (int c = 0; c < 2; c++)
+        for (int r = 0; r < R; r++) {
+            acc[c][r] = _mm256_setzero_ps();
+            extra[c][r] = 0.0f;
+        }
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        dot_legacy<Type, R>(row + b * kBytes, x + b, stride, acc[0], extra[0]);
+        dot_legacy<Type, R>(row + (b + 1) * kBytes, x + b + 1, stride, acc[1], extra[1]);
+    }
+    if (b < nb) dot_legacy<Type, R>(row + b * kBytes, x + b, stride, acc[0], extra[0]);
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (extra[0][r] + extra[1][r]);
+}
 
 template <int Type>
 void gemm_legacy(const GemmTask& t, int64_t n0, int64_t n1) {
-    constexpr int kBytes = Type == kQ8_0 ? 34 : (Type == kQ4_0 ? 18 : 20);
     const int64_t nb = t.K / kQ32;
     const int tile = tile_rows(t.K);
     const ActQ8B* xq = (const ActQ8B*)t.xq;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    __m256 acc[kMaxTile];
-    float extra[kMaxTile];  // Q4_1: the mins' share, m * d_x * sum(q_x)
-    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
+    float out[kMaxTile];
+    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {  // tiles of activation rows that stay in L2
         const int mt = (int)min64(tile, t.M - m0);
+        const ActQ8B* x = xq + m0 * nb;
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t* row = t.w + n * t.row_bytes;
-            for (int i = 0; i < mt; i++) {
-                acc[i] = _mm256_setzero_ps();
-                extra[i] = 0.0f;
+            int i = 0;
+            for (; i + 4 <= mt; i += 4) row_legacy<Type, 4>(row, x + i * nb, nb, nb, out + i);
+            switch (mt - i) {
+                case 3: row_legacy<Type, 3>(row, x + i * nb, nb, nb, out + i); break;
+                case 2: row_legacy<Type, 2>(row, x + i * nb, nb, nb, out + i); break;
+                case 1: row_legacy<Type, 1>(row, x + i * nb, nb, nb, out + i); break;
+                default: break;
             }
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t* blk = row + b * kBytes;
-                const float d = half(blk);
-                const ActQ8B* x = xq + m0 * nb + b;
-                if (Type == kQ4_1) {
-                    const float mn = half(blk + 2);
-                    const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 4));
-                    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-                    for (int i = 0; i < mt; i++) {
-                        const ActQ8B& xi = x[i * nb];
-                        const __m256i p = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)xi.qs)), ones);
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xi.d), acc[i]);
-                        extra[i] += mn * xi.d * (float)xi.sum;
-                    }
-                    continue;
-                }
-                __m256i q;  // signed quants
-                if (Type == kQ8_0) {
-                    q = _mm256_loadu_si256((const __m256i*)(blk + 2));
-                } else {
-                    const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 2));
-                    q = _mm256_sub_epi8(
-                        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)),
-                        _mm256_set1_epi8(8));
-                }
-                const __m256i aq = _mm256_sign_epi8(q, q);
-                for (int i = 0; i < mt; i++) {
-                    const ActQ8B& xi = x[i * nb];
-                    const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)xi.qs), q);
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xi.d), acc[i]);
-                }
-            }
-            for (int i = 0; i < mt; i++)
-                t.y[(m0 + i) * t.ldy + n] = hsum(acc[i]) + extra[i] + (t.bias ? t.bias[n] : 0.0f);
+            for (int r = 0; r < mt; r++) t.y[(m0 + r) * t.ldy + n] = out[r] + (t.bias ? t.bias[n] : 0.0f);
         }
     }
 }

@@ -2,6 +2,9 @@
 // dequantization (embedding lookups, tests, float conversions), and a plain-C++ product for CPUs
 // without a vectorised variant. Also the reference the vectorised variants are tested against.
 #include <cmath>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "gguf_blocks.h"
 #include "qgemm.h"
@@ -10,9 +13,31 @@ namespace specserve {
 
 namespace {
 
-// The rounding of one block: d = max|x| / 127, q = x / d rounded to nearest (ties away from zero).
+// The rounding of one block: d = max|x| / 127, q = x / d rounded to nearest, ties away from zero
+// (as (int)(v + copysign(0.5, v))). SSE2 where there is x86-64 (every such CPU has it), the same
+// arithmetic in plain C++ elsewhere.
 template <int N>
 float round_block(const float* x, int8_t* q) {
+#if defined(__SSE2__)
+    const __m128 sign = _mm_set1_ps(-0.0f), half = _mm_set1_ps(0.5f);
+    __m128 m = _mm_setzero_ps();
+    for (int j = 0; j < N; j += 4) m = _mm_max_ps(m, _mm_andnot_ps(sign, _mm_loadu_ps(x + j)));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float amax = _mm_cvtss_f32(m);
+    const float d = amax / 127.0f;
+    const __m128 inv = _mm_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    for (int j = 0; j < N; j += 16) {
+        __m128i v[4];
+        for (int k = 0; k < 4; k++) {
+            const __m128 y = _mm_mul_ps(_mm_loadu_ps(x + j + 4 * k), inv);
+            v[k] = _mm_cvttps_epi32(_mm_add_ps(y, _mm_or_ps(_mm_and_ps(y, sign), half)));
+        }
+        const __m128i w = _mm_packs_epi16(_mm_packs_epi32(v[0], v[1]), _mm_packs_epi32(v[2], v[3]));
+        _mm_storeu_si128((__m128i*)(q + j), w);
+    }
+    return d;
+#else
     float amax = 0.0f;
     for (int j = 0; j < N; j++) {
         const float a = std::fabs(x[j]);
@@ -21,11 +46,11 @@ float round_block(const float* x, int8_t* q) {
     const float d = amax / 127.0f;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
     for (int j = 0; j < N; j++) {
-        float v = std::round(x[j] * inv);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[j] = (int8_t)v;
+        const float y = x[j] * inv;
+        q[j] = (int8_t)(int)(y + (y < 0.0f ? -0.5f : 0.5f));
     }
     return d;
+#endif
 }
 
 }  // namespace
@@ -48,7 +73,7 @@ void quantize_q8b(const float* x, int64_t n, ActQ8B* out) {
         o.d = round_block<kQ32>(x + b * kQ32, o.qs);
         int s = 0;
         for (int j = 0; j < kQ32; j++) s += o.qs[j];
-        o.sum = s;
+        o.s = o.d * (float)s;
     }
 }
 
@@ -218,18 +243,20 @@ float dot_k(int type, const KBlock& w, const ActQ8K& x) {
     return w.d * x.d * (float)sum - w.dmin * x.d * (float)mins;
 }
 
-// One legacy block (32 elements) against one activation block.
-float dot_legacy(int type, const uint8_t* src, const ActQ8B& x) {
+// One legacy block (32 elements) against one activation block: the block's product, and (Q4_1)
+// its mins' share, kept apart as the vectorised kernels keep them.
+float dot_legacy(int type, const uint8_t* src, const ActQ8B& x, float* mins) {
     const float d = read_fp16(src);
     int s = 0;
     if (type == kQ8_0) {
         for (int j = 0; j < 32; j++) s += (int8_t)src[2 + j] * x.qs[j];
-        return d * x.d * (float)s;
+        return (float)s * (d * x.d);
     }
     const uint8_t* qs = src + (type == kQ4_1 ? 4 : 2);
-    for (int j = 0; j < 16; j++) s += (qs[j] & 0xF) * x.qs[j] + (qs[j] >> 4) * x.qs[j + 16];
-    if (type == kQ4_0) return d * x.d * (float)(s - 8 * x.sum);
-    return d * x.d * (float)s + read_fp16(src + 2) * x.d * (float)x.sum;
+    const int off = type == kQ4_0 ? 8 : 0;
+    for (int j = 0; j < 16; j++) s += ((qs[j] & 0xF) - off) * x.qs[j] + ((qs[j] >> 4) - off) * x.qs[j + 16];
+    if (type == kQ4_1) *mins += read_fp16(src + 2) * x.s;
+    return (float)s * (d * x.d);
 }
 
 }  // namespace
@@ -239,24 +266,26 @@ void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
     type_info(t.type, &info);
     const int64_t nb = t.K / info.block_elems;
     constexpr int MT = 64;  // activation rows per pass over a weight row
-    float acc[MT];
+    float acc[MT], odd[MT], mins[MT], odd_mins[MT];
     KBlock w;
     for (int64_t m0 = 0; m0 < t.M; m0 += MT) {
         const int mt = (int)(t.M - m0 < MT ? t.M - m0 : MT);
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t* row = t.w + n * t.row_bytes;
-            for (int i = 0; i < mt; i++) acc[i] = 0.0f;
+            for (int i = 0; i < mt; i++) acc[i] = odd[i] = mins[i] = odd_mins[i] = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t* blk = row + b * info.block_bytes;
                 if (is_k_quant(t.type)) {
                     unpack_k(t.type, blk, &w);
                     for (int i = 0; i < mt; i++) acc[i] += dot_k(t.type, w, ((const ActQ8K*)t.xq)[(m0 + i) * nb + b]);
-                } else {
+                } else {  // two chains, even and odd blocks
                     for (int i = 0; i < mt; i++)
-                        acc[i] += dot_legacy(t.type, blk, ((const ActQ8B*)t.xq)[(m0 + i) * nb + b]);
+                        (b & 1 ? odd : acc)[i] += dot_legacy(t.type, blk, ((const ActQ8B*)t.xq)[(m0 + i) * nb + b],
+                                                            (b & 1 ? odd_mins : mins) + i);
                 }
             }
-            for (int i = 0; i < mt; i++) t.y[(m0 + i) * t.ldy + n] = acc[i] + (t.bias ? t.bias[n] : 0.0f);
+            for (int i = 0; i < mt; i++)
+                t.y[(m0 + i) * t.ldy + n] = (acc[i] + odd[i]) + (mins[i] + odd_mins[i]) + (t.bias ? t.bias[n] : 0.0f);
         }
     }
 }
