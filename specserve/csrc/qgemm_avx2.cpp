@@ -121,32 +121,6 @@ inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
     u.off = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
 }
 
-// acc[r] += this super-block's contribution for R activation rows (x[r * stride]): the weight
-// quants and scales are loaded once for all R rows.
-template <bool Q6, int R>
-inline void dot_k(const Unpacked& u, const ActQ8K* x, int64_t stride, __m256* acc) {
-    __m256i s[R];
-    for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-        const __m256i q = u.q[j], sc = u.sc[j];
-        for (int r = 0; r < R; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r * stride].qs + 32 * j));
-            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sc));
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        const ActQ8K& xr = x[r * stride];
-        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)xr.bsums), u.off);
-        if (Q6) {  // w = d * sc * (q - 32): subtract 32 * sum(sc * bsum)
-            const __m256i v = _mm256_sub_epi32(s[r], _mm256_slli_epi32(off, 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(u.d * xr.d), acc[r]);
-        } else {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(u.d * xr.d), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u.dmin * xr.d), acc[r]);
-        }
-    }
-}
-
 // ---- one activation row: unpack and multiply in one pass, nothing stored (the decode path, where
 // unpacking is not shared and memory bandwidth is the budget) --------------------------------------
 
@@ -290,36 +264,73 @@ void gemm_few_k(const GemmTask& t, int64_t n0, int64_t n1) {
     }
 }
 
+// acc[w] += this super-block of W weight rows (unpacked in u[w]) against one activation block: the
+// activations are loaded once for the W rows. Per (weight row, activation row) the same float
+// operations as dot_k and dot_k_fused, so every path gives the same bits.
+template <bool Q6, int W>
+inline void dot_kw(const Unpacked* u, const ActQ8K& x, __m256* acc) {
+    __m256i s[W];
+    for (int w = 0; w < W; w++) s[w] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * j));
+        for (int w = 0; w < W; w++)
+            s[w] = _mm256_add_epi32(s[w], _mm256_madd_epi16(_mm256_maddubs_epi16(u[w].q[j], xv), u[w].sc[j]));
+    }
+    const __m256i bs = _mm256_loadu_si256((const __m256i*)x.bsums);
+    for (int w = 0; w < W; w++) {
+        const __m256i off = _mm256_madd_epi16(bs, u[w].off);
+        if (Q6) {
+            const __m256i v = _mm256_sub_epi32(s[w], _mm256_slli_epi32(off, 5));
+            acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(u[w].d * x.d), acc[w]);
+        } else {
+            acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[w]), _mm256_set1_ps(u[w].d * x.d), acc[w]);
+            acc[w] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u[w].dmin * x.d), acc[w]);
+        }
+    }
+}
+
+// W weight rows from `row` against the activation rows [0, mt) of x (a tile that stays in L2):
+// each super-block of the W rows is unpacked once into L1 and each activation block read once.
+template <int Type, int W>
+void rows_k(const GemmTask& t, const uint8_t* row, const ActQ8K* x, int mt, float* y, const float* bias) {
+    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
+    const int64_t nb = t.K / kQK;
+    __m256 acc[kMaxTile][W];
+    Unpacked u[W];
+    for (int i = 0; i < mt; i++)
+        for (int w = 0; w < W; w++) acc[i][w] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int w = 0; w < W; w++) {
+            const uint8_t* blk = row + w * t.row_bytes + b * kBytes;
+            if (Type == kQ4_K) unpack_q4k(blk, u[w]);
+            else if (Type == kQ5_K) unpack_q5k(blk, u[w]);
+            else unpack_q6k(blk, u[w]);
+        }
+        for (int i = 0; i < mt; i++) dot_kw<Type == kQ6_K, W>(u, x[i * nb + b], acc[i]);
+    }
+    for (int i = 0; i < mt; i++)
+        for (int w = 0; w < W; w++) y[i * t.ldy + w] = hsum(acc[i][w]) + (bias ? bias[w] : 0.0f);
+}
+
+// Many activation rows (a prefill, a large batch).
 template <int Type>
 void gemm_k(const GemmTask& t, int64_t n0, int64_t n1) {
-    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
     const int64_t nb = t.K / kQK;
     const int tile = tile_rows(t.K);
     const ActQ8K* xq = (const ActQ8K*)t.xq;
-    __m256 acc[kMaxTile];
-    Unpacked u;
     for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
         const int mt = (int)min64(tile, t.M - m0);
-        for (int64_t n = n0; n < n1; n++) {
+        const ActQ8K* x = xq + m0 * nb;
+        for (int64_t n = n0; n < n1; n += 4) {
             const uint8_t* row = t.w + n * t.row_bytes;
-            for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t* blk = row + b * kBytes;
-                _mm_prefetch((const char*)(blk + 4 * kBytes), _MM_HINT_T0);
-                if (Type == kQ4_K) unpack_q4k(blk, u);
-                else if (Type == kQ5_K) unpack_q5k(blk, u);
-                else unpack_q6k(blk, u);
-                const ActQ8K* x = xq + m0 * nb + b;
-                int i = 0;
-                for (; i + 4 <= mt; i += 4) dot_k<Type == kQ6_K, 4>(u, x + i * nb, nb, acc + i);
-                switch (mt - i) {
-                    case 3: dot_k<Type == kQ6_K, 3>(u, x + i * nb, nb, acc + i); break;
-                    case 2: dot_k<Type == kQ6_K, 2>(u, x + i * nb, nb, acc + i); break;
-                    case 1: dot_k<Type == kQ6_K, 1>(u, x + i * nb, nb, acc + i); break;
-                    default: break;
-                }
+            float* y = t.y + m0 * t.ldy + n;
+            const float* bias = t.bias ? t.bias + n : nullptr;
+            switch (min64(4, n1 - n)) {
+                case 4: rows_k<Type, 4>(t, row, x, mt, y, bias); break;
+                case 3: rows_k<Type, 3>(t, row, x, mt, y, bias); break;
+                case 2: rows_k<Type, 2>(t, row, x, mt, y, bias); break;
+                default: rows_k<Type, 1>(t, row, x, mt, y, bias); break;
             }
-            for (int i = 0; i < mt; i++) t.y[(m0 + i) * t.ldy + n] = hsum(acc[i]) + (t.bias ? t.bias[n] : 0.0f);
         }
     }
 }

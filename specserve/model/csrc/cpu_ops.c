@@ -64,6 +64,8 @@ void rms_norm(const float *x, const float *w, float *y, int T, int D, float eps)
 
 /* out[t, j] = silu(gu[t, j]) * gu[t, I + j]: the gated activation on a fused gate/up output. */
 void silu_mul(const float *gu, float *out, int T, int I) {
+    /* rows split across threads for a prefill (each element's value is the same either way) */
+#pragma omp parallel for schedule(static) if ((int64_t)T * I >= 65536)
     for (int t = 0; t < T; t++) {
         const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
