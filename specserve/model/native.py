@@ -87,7 +87,7 @@ def _build(name: str) -> BuildResult:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return BuildResult(None, f"{cc} --version failed: {e}")
-    sources = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.c")))  # a source may include the others
+    sources = b"".join(p.read_bytes() for p in sorted([*CSRC.glob("*.c"), *CSRC.glob("*.h")]))  # a source may include the others
     key = hashlib.sha256(sources + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_root() / "native" / f"{name}-{key}.so"
     if not target.exists():

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 /* Store new K/V (float32 [T, KVH, D]) at their cache slots, in the cache's dtype. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -69,6 +71,17 @@ void silu_mul(const float *gu, float *out, int T, int I) {
     for (int t = 0; t < T; t++) {
         const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
-        for (int j = 0; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        /* sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, with e = exp(-|g|) <= 1 */
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; j + 8 <= I; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(gv, sign));
+            const __m256 r = _mm256_div_ps(_mm256_blendv_ps(one, e, gv), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(gv, r), _mm256_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }

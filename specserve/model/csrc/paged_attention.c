@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 #define TILE_Q 8     /* query rows per task */
 #define MAX_REP 16   /* query heads per KV head */
 #define MAX_D 256    /* head dim */
@@ -72,27 +74,6 @@ static void pa_load_bf16(const void *cache, int64_t base, int nk, int KVH, int D
         }
     }
     for (int tk = nk; tk % 8; tk++) memset(dst + (int64_t)tk * D, 0, sizeof(float) * D);
-}
-
-/* exp(x) for x <= 0 (softmax weights), a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n: within
- * 2 ulp of expf; 0 below -87. The same function of x wherever x comes from. */
-static inline __m256 pa_exp(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 /* The dot products of one query vector with 8 keys (rows of kf, D floats apart): per key, eight lanes
@@ -196,7 +177,7 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
         float *sp = s + i * ld;
         for (int p = 0; p < kend; p += 8) {
             const __m256 x = _mm256_loadu_ps(sp + p);
-            const __m256 w = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), pa_exp(_mm256_sub_ps(x, vm)));
+            const __m256 w = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp_nonpositive_avx2(_mm256_sub_ps(x, vm)));
             _mm256_storeu_ps(sp + p, w);
         }
         for (int p = kend; p < kend + 8; p++) sp[p] = 0.0f; /* a padded group's tail adds nothing */
