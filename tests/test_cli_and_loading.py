@@ -118,7 +118,46 @@ def test_auto_quantization_follows_what_was_shipped(tiny_llama: Path) -> None:
     assert resolve_quantization("int8", None) == "int8"
 
 
-def test_auto_quantization_of_the_bundled_q4_1_is_int4(bundled_model_dir: Path) -> None:
+def test_auto_quantization_of_the_bundled_gguf_keeps_its_blocks(bundled_model_dir: Path) -> None:
     from specserve.model.loader import find_bundled_gguf, resolve_quantization
 
-    assert resolve_quantization("auto", find_bundled_gguf("smollm2-135m")) == "int4"
+    assert resolve_quantization("auto", find_bundled_gguf("smollm2-135m")) == "gguf"
+    assert resolve_quantization("auto", find_bundled_gguf("smollm2-135m"), "cuda") == "none"
+
+
+def test_a_repo_id_is_found_in_the_hub_cache_and_named_when_it_is_not(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--model org/name: a Hugging Face repo (downloaded where there is a network; here the tests
+    run offline, so the Hub's cache is all there is): a repo of Hugging Face files is its snapshot
+    directory, a repo of GGUFs one file chosen by org/name:TAG; a repo that is nowhere is an error
+    naming it and saying how to get it."""
+    import shutil
+
+    from specserve.model.loader import ModelNotFoundError, resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def cached(repo: str) -> Path:
+        root = tmp_path / ("models--" + repo.replace("/", "--"))
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text("abc123")
+        snap = root / "snapshots" / "abc123"
+        snap.mkdir(parents=True)
+        return snap
+
+    hf = cached("org/tiny")
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, hf / f.name)
+    ggufs = cached("org/tiny-gguf")
+    for name in ("tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"):
+        (ggufs / name).write_bytes(b"GGUF")
+    assert resolve_model_path("org/tiny") == hf
+    assert resolve_model_path("org/tiny-gguf:q4_k_m") == ggufs / "tiny-Q4_K_M.gguf"
+    with pytest.raises(ModelNotFoundError, match=r"2 matching \.gguf files .*name one with org/tiny-gguf:TAG"):
+        resolve_model_path("org/tiny-gguf")
+    with pytest.raises(ModelNotFoundError, match=r"'nobody/nothing' is not a local path.*huggingface-cli download"):
+        resolve_model_path("nobody/nothing")
+    llm = LLM("org/tiny")
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].token_ids) == 3

@@ -102,7 +102,7 @@ def test_stop_strings_and_streaming_on_the_bundled_model(smollm: LLM) -> None:
 
 @pytest.mark.slow
 def test_chat_answers_on_the_bundled_model() -> None:
-    # in float32 (the reference weights): the default int4 x int8-activation path answers this
+    # in float32 (the reference weights): the default path (the file's Q4_1 blocks x int8 activations) answers this
     # 135M model's bare question with French words, as llama.cpp does on the same Q4_1 file
     llm = LLM("smollm2-135m", quantization="none")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

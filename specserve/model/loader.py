@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from typing import Any, Callable
 import torch
 
 from specserve.config import NAMED_SHAPES, ModelConfig
+
+logger = logging.getLogger("specserve.model")
 
 DEFAULT_MODEL = "smollm2-135m"
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
@@ -81,10 +85,75 @@ def resolve_model_path(model: str) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
+    if _REPO_ID.match(model) and not path.exists():
+        return fetch_from_hub(model)
     known = ", ".join(sorted(BUNDLED_MODELS))
     raise ModelNotFoundError(
-        f"model: {model!r} is neither a known alias ({known}), a .gguf file, nor a directory with config.json"
+        f"model: {model!r} is neither a known alias ({known}), a .gguf file, a directory with config.json, "
+        "nor a Hugging Face repo id (org/name, or org/name:QUANT for one GGUF of a repo of GGUFs)"
     )
+
+
+# org/name, or org/name:TAG (a GGUF of the repo whose file name has TAG, as llama.cpp's -hf takes it)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+_HF_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def fetch_from_hub(model: str) -> Path:
+    """A Hugging Face repo id as a local path, downloaded into the Hub's cache (HF_HUB_CACHE) where
+    a network is reachable, else found there: a directory of config, safetensors and tokenizer files,
+    or one .gguf file of a repo of GGUFs (the one whose name has the tag after `:`, or the only one)."""
+    repo, _, tag = model.partition(":")
+    cache = os.environ.get("HF_HUB_CACHE") or None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        local = None if offline else _download(repo, tag, cache)
+    except ModelNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no network, no such repo, no access: try the cache
+        local, reason = None, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    else:
+        reason = "HF_HUB_OFFLINE is set"
+    if local is None:
+        from huggingface_hub import snapshot_download
+
+        try:
+            local = Path(snapshot_download(repo, local_files_only=True, cache_dir=cache))
+        except Exception:  # noqa: BLE001 - not in the cache either
+            raise ModelNotFoundError(
+                f"model: {model!r} is not a local path, and the Hugging Face Hub could not provide it ({reason}); "
+                f"download it where there is a network (`huggingface-cli download {repo}`) or give a local path"
+            ) from None
+    if local.is_file():
+        return local
+    return _pick(model, repo, tag, [p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()], local)
+
+
+def _pick(model: str, repo: str, tag: str, files: list[str], root: Path) -> Path:
+    """The model among a repo's `files`: its directory (config.json, no tag) or one GGUF file."""
+    if "config.json" in files and not tag:
+        return root
+    ggufs = sorted(f for f in files if f.endswith(".gguf") and tag.lower() in f.lower())
+    if len(ggufs) == 1:
+        return root / ggufs[0]
+    names = ", ".join(ggufs) or "none"
+    raise ModelNotFoundError(f"model: {model!r} has no config.json and {len(ggufs)} matching .gguf files ({names}); "
+                             f"name one with {repo}:TAG (e.g. {repo}:Q4_K_M)")
+
+
+def _download(repo: str, tag: str, cache: str | None) -> Path:
+    """Download what `repo` (and `tag`) name: the Hugging Face files of the model, or one GGUF."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    files = HfApi().list_repo_files(repo)
+    root = Path("/")
+    choice = _pick(f"{repo}:{tag}" if tag else repo, repo, tag, files, root)
+    if choice == root:
+        logger.warning("downloading %s from the Hugging Face Hub", repo)
+        return Path(snapshot_download(repo, allow_patterns=_HF_FILES, cache_dir=cache))
+    name = choice.relative_to(root).as_posix()
+    logger.warning("downloading %s from %s on the Hugging Face Hub", name, repo)
+    return Path(hf_hub_download(repo, name, cache_dir=cache))
 
 
 # ---------------------------------------------------------------------------
@@ -281,9 +350,8 @@ _GGUF_PARTS = {
 
 def resolve_quantization(requested: str, gguf_path: Path | None, device: str = "cpu") -> str:
     """`requested`, or for "auto" the precision the weights were shipped in: a GGUF on the CPU runs
-    on its own blocks ("gguf"), except one whose projections are all Q4_0/Q4_1 (int4, the file's
-    blocks exactly) or all Q8_0 (int8), which the native layer loop runs; a GGUF elsewhere, and
-    every Hugging Face checkpoint, run in the float dtype ("none")."""
+    on its own blocks ("gguf": every tensor its own type, nothing requantized); a GGUF elsewhere,
+    and every Hugging Face checkpoint, run in the float dtype ("none")."""
     if requested == "gguf":
         if gguf_path is None:
             raise ValueError("quantization: 'gguf' runs a GGUF file's own blocks; this model is not a GGUF file")
@@ -293,15 +361,6 @@ def resolve_quantization(requested: str, gguf_path: Path | None, device: str = "
         return requested
     if gguf_path is None:
         return "none"
-    from specserve.model.gguf_file import GGUFFile
-
-    g = GGUFFile(gguf_path)
-    kinds = {t.type_name for t in g.tensors.values()
-             if t.name.startswith("blk.") and t.name.rsplit(".", 2)[-2] in _GGUF_PROJECTIONS}
-    if kinds and kinds <= {"Q4_0", "Q4_1"}:
-        return "int4"
-    if kinds == {"Q8_0"}:
-        return "int8"
     return "gguf" if device == "cpu" else "none"
 
 
