@@ -114,6 +114,7 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None)
     logger.info("%s: weights in the file's blocks (%s); kernels: %s; loaded in %.1f s", path.name,
                 ", ".join(f"{n} x{c}" for n, c in Counter(t.type_name for t in g.tensors.values()).items()),
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()), time.perf_counter() - start)
+    _return_freed_memory()
     return net, tokenizer, limit, "gguf"
 
 
