@@ -15,9 +15,6 @@ namespace avx2 {
 namespace {
 
 constexpr int kMaxTile = 64;
-// Up to this many activation rows, blocks are unpacked into registers per group of four rows
-// (gemm_few_k); beyond, once per tile into memory (gemm_k). Both give the same bits.
-constexpr int kFewRows = 8;
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -40,89 +37,8 @@ inline int tile_rows(int64_t K) {
     return (int)(t < 4 ? 4 : (t > kMaxTile ? kMaxTile : t));
 }
 
-// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block.
-inline void scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
-    uint32_t w0, w1, w2;
-    __builtin_memcpy(&w0, s, 4);
-    __builtin_memcpy(&w1, s + 4, 4);
-    __builtin_memcpy(&w2, s + 8, 4);
-    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
-    const uint32_t s03 = w0 & lo6, m03 = w1 & lo6;
-    const uint32_t s47 = (w2 & lo4) | (((w0 >> 6) & lo2) << 4);
-    const uint32_t m47 = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
-    __builtin_memcpy(sc, &s03, 4);
-    __builtin_memcpy(sc + 4, &s47, 4);
-    __builtin_memcpy(mn, &m03, 4);
-    __builtin_memcpy(mn + 4, &m47, 4);
-}
-
 // ---- k-quants: Q4_K, Q5_K (w = d*sc*q - dmin*m, q unsigned, 32 per scale), Q6_K ---------------
-
-struct Unpacked {
-    __m256i q[8];      // 256 unsigned quants, 32 per vector (sub-block j in q[j])
-    __m256i sc[8];     // int16 multipliers of q[j]'s 16 maddubs pairs
-    __m256i off;       // int16 per 16-element group: mins (Q4_K/Q5_K, one per pair of groups) or scales (Q6_K)
-    float d, dmin;
-};
-
-inline void unpack_q4k(const uint8_t* blk, Unpacked& u) {
-    u.d = half(blk);
-    u.dmin = half(blk + 2);
-    alignas(16) uint8_t sc[8], mn[8];
-    scales_mins(blk + 4, sc, mn);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * j));
-        u.q[2 * j] = _mm256_and_si256(v, m4);
-        u.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
-    for (int j = 0; j < 8; j++) u.sc[j] = _mm256_set1_epi16(sc[j]);
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn));
-    u.off = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-}
-
-inline void unpack_q5k(const uint8_t* blk, Unpacked& u) {
-    u.d = half(blk);
-    u.dmin = half(blk + 2);
-    alignas(16) uint8_t sc[8], mn[8];
-    scales_mins(blk + 4, sc, mn);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 16));
-    for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 48 + 32 * j));
-        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(vh, 2 * j), one);
-        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(vh, 2 * j + 1), one);
-        u.q[2 * j] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_slli_epi16(h0, 4));
-        u.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_slli_epi16(h1, 4));
-    }
-    for (int j = 0; j < 8; j++) u.sc[j] = _mm256_set1_epi16(sc[j]);
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)mn));
-    u.off = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-}
-
-inline void unpack_q6k(const uint8_t* blk, Unpacked& u) {
-    u.d = half(blk + 208);
-    u.dmin = 0.0f;
-    const int8_t* sc = (const int8_t*)(blk + 192);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
-        const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
-        u.q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
-        u.q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(v1, m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
-        u.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
-        u.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
-    }
-    for (int j = 0; j < 8; j++) u.sc[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-    u.off = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc));
-}
-
-// ---- one activation row: unpack and multiply in one pass, nothing stored (the decode path, where
-// unpacking is not shared and memory bandwidth is the budget) --------------------------------------
+// Each block is unpacked into registers and applied, in one pass, to up to four activation rows.
 
 // pshufb patterns broadcasting int16 element j of a 128-bit lane to the whole lane.
 alignas(32) const uint8_t kBroadcast16[8][32] = {
@@ -242,95 +158,29 @@ inline void row_k(const uint8_t* row, const ActQ8K* x, int64_t stride, int64_t n
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
-// Few activation rows: every weight row is streamed once and read again from L1 per group of four
-// rows.
-template <int Type>
-void gemm_few_k(const GemmTask& t, int64_t n0, int64_t n1) {
-    const int64_t nb = t.K / kQK;
-    const ActQ8K* x = (const ActQ8K*)t.xq;
-    const int M = (int)t.M;
-    float out[kMaxTile];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* row = t.w + n * t.row_bytes;
-        int i = 0;
-        for (; i + 4 <= M; i += 4) row_k<Type, 4>(row, x + i * nb, nb, nb, out + i);
-        switch (M - i) {
-            case 3: row_k<Type, 3>(row, x + i * nb, nb, nb, out + i); break;
-            case 2: row_k<Type, 2>(row, x + i * nb, nb, nb, out + i); break;
-            case 1: row_k<Type, 1>(row, x + i * nb, nb, nb, out + i); break;
-            default: break;
-        }
-        for (int r = 0; r < M; r++) t.y[r * t.ldy + n] = out[r] + (t.bias ? t.bias[n] : 0.0f);
-    }
-}
-
-// acc[w] += this super-block of W weight rows (unpacked in u[w]) against one activation block: the
-// activations are loaded once for the W rows. Per (weight row, activation row) the same float
-// operations as dot_k and dot_k_fused, so every path gives the same bits.
-template <bool Q6, int W>
-inline void dot_kw(const Unpacked* u, const ActQ8K& x, __m256* acc) {
-    __m256i s[W];
-    for (int w = 0; w < W; w++) s[w] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * j));
-        for (int w = 0; w < W; w++)
-            s[w] = _mm256_add_epi32(s[w], _mm256_madd_epi16(_mm256_maddubs_epi16(u[w].q[j], xv), u[w].sc[j]));
-    }
-    const __m256i bs = _mm256_loadu_si256((const __m256i*)x.bsums);
-    for (int w = 0; w < W; w++) {
-        const __m256i off = _mm256_madd_epi16(bs, u[w].off);
-        if (Q6) {
-            const __m256i v = _mm256_sub_epi32(s[w], _mm256_slli_epi32(off, 5));
-            acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(u[w].d * x.d), acc[w]);
-        } else {
-            acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[w]), _mm256_set1_ps(u[w].d * x.d), acc[w]);
-            acc[w] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u[w].dmin * x.d), acc[w]);
-        }
-    }
-}
-
-// W weight rows from `row` against the activation rows [0, mt) of x (a tile that stays in L2):
-// each super-block of the W rows is unpacked once into L1 and each activation block read once.
-template <int Type, int W>
-void rows_k(const GemmTask& t, const uint8_t* row, const ActQ8K* x, int mt, float* y, const float* bias) {
-    constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
-    const int64_t nb = t.K / kQK;
-    __m256 acc[kMaxTile][W];
-    Unpacked u[W];
-    for (int i = 0; i < mt; i++)
-        for (int w = 0; w < W; w++) acc[i][w] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        for (int w = 0; w < W; w++) {
-            const uint8_t* blk = row + w * t.row_bytes + b * kBytes;
-            if (Type == kQ4_K) unpack_q4k(blk, u[w]);
-            else if (Type == kQ5_K) unpack_q5k(blk, u[w]);
-            else unpack_q6k(blk, u[w]);
-        }
-        for (int i = 0; i < mt; i++) dot_kw<Type == kQ6_K, W>(u, x[i * nb + b], acc[i]);
-    }
-    for (int i = 0; i < mt; i++)
-        for (int w = 0; w < W; w++) y[i * t.ldy + w] = hsum(acc[i][w]) + (bias ? bias[w] : 0.0f);
-}
-
-// Many activation rows (a prefill, a large batch).
+// Weight rows [n0, n1) against every activation row, in tiles of activation rows that stay in L2:
+// each weight row is read once per tile (from memory for the first, from cache after), its blocks
+// unpacked into registers for groups of four activation rows.
 template <int Type>
 void gemm_k(const GemmTask& t, int64_t n0, int64_t n1) {
     const int64_t nb = t.K / kQK;
     const int tile = tile_rows(t.K);
     const ActQ8K* xq = (const ActQ8K*)t.xq;
+    float out[kMaxTile];
     for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
         const int mt = (int)min64(tile, t.M - m0);
         const ActQ8K* x = xq + m0 * nb;
-        for (int64_t n = n0; n < n1; n += 4) {
+        for (int64_t n = n0; n < n1; n++) {
             const uint8_t* row = t.w + n * t.row_bytes;
-            float* y = t.y + m0 * t.ldy + n;
-            const float* bias = t.bias ? t.bias + n : nullptr;
-            switch (min64(4, n1 - n)) {
-                case 4: rows_k<Type, 4>(t, row, x, mt, y, bias); break;
-                case 3: rows_k<Type, 3>(t, row, x, mt, y, bias); break;
-                case 2: rows_k<Type, 2>(t, row, x, mt, y, bias); break;
-                default: rows_k<Type, 1>(t, row, x, mt, y, bias); break;
+            int i = 0;
+            for (; i + 4 <= mt; i += 4) row_k<Type, 4>(row, x + i * nb, nb, nb, out + i);
+            switch (mt - i) {
+                case 3: row_k<Type, 3>(row, x + i * nb, nb, nb, out + i); break;
+                case 2: row_k<Type, 2>(row, x + i * nb, nb, nb, out + i); break;
+                case 1: row_k<Type, 1>(row, x + i * nb, nb, nb, out + i); break;
+                default: break;
             }
+            for (int r = 0; r < mt; r++) t.y[(m0 + r) * t.ldy + n] = out[r] + (t.bias ? t.bias[n] : 0.0f);
         }
     }
 }
@@ -422,9 +272,9 @@ void gemm_legacy(const GemmTask& t, int64_t n0, int64_t n1) {
 
 void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
     switch (t.type) {
-        case kQ4_K: return t.M <= kFewRows ? gemm_few_k<kQ4_K>(t, n0, n1) : gemm_k<kQ4_K>(t, n0, n1);
-        case kQ5_K: return t.M <= kFewRows ? gemm_few_k<kQ5_K>(t, n0, n1) : gemm_k<kQ5_K>(t, n0, n1);
-        case kQ6_K: return t.M <= kFewRows ? gemm_few_k<kQ6_K>(t, n0, n1) : gemm_k<kQ6_K>(t, n0, n1);
+        case kQ4_K: return gemm_k<kQ4_K>(t, n0, n1);
+        case kQ5_K: return gemm_k<kQ5_K>(t, n0, n1);
+        case kQ6_K: return gemm_k<kQ6_K>(t, n0, n1);
         case kQ8_0: return gemm_legacy<kQ8_0>(t, n0, n1);
         case kQ4_0: return gemm_legacy<kQ4_0>(t, n0, n1);
         case kQ4_1: return gemm_legacy<kQ4_1>(t, n0, n1);
