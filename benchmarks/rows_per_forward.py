@@ -6,6 +6,8 @@ between the engines; each figure is the median of its samples.
     python benchmarks/rows_per_forward.py --model ~/.cache/specserve-models/qwen2.5-coder-1.5b-q4_k_m.gguf \\
         --llama-bench ~/llama-build/bin/llama-bench --json benchmarks/rows_per_forward_cpu.json \\
         --plot benchmarks/rows_per_forward_cpu.png
+
+A prompt's prefill the same way: `--context 0 --rows 512 --logits last` (llama-bench -p 512 -n 0).
 """
 
 from __future__ import annotations
