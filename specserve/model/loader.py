@@ -364,9 +364,6 @@ def resolve_quantization(requested: str, gguf_path: Path | None, device: str = "
     return "gguf" if device == "cpu" else "none"
 
 
-_GGUF_PROJECTIONS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
-
-
 def gguf_int4_source(gguf_path: Path, cfg: ModelConfig) -> Callable[[str], Any]:
     """A function from an engine projection's name to its int4 weights taken from the GGUF's own
     Q4_0/Q4_1 blocks (rows un-permuted and stacked as the engine fuses them), or None when the

@@ -75,7 +75,10 @@ class KernelTuner:
     """Picks, per (precision, shape, dtype), the candidate with the least time relative to the
     best at each row count of ROWS (every row count weighs the same)."""
 
+    SLOWER = 3.0  # a candidate this many times the best at one row is not timed at the other row counts
+
     def __init__(self, device: torch.device, path: Path | None = None) -> None:
+        self._announced = False
         self.device = device
         self.path = path if path is not None else cache_root() / "kernel-choices.json"
         self.machine = machine_key(device)
@@ -141,18 +144,27 @@ class KernelTuner:
                 return cached, factories[cached]()
             except Exception:  # noqa: BLE001 - re-time below
                 pass
+        if not self._announced:
+            logger.warning("timing kernel candidates on this model's projection shapes (once per machine; "
+                           "remembered in %s)", self.path)
+            self._announced = True
         built: dict[str, nn.Module] = {}
         times: dict[str, list[float]] = {}
         for name, make in factories.items():
             try:
                 kernel = make()
-                times[name] = [_time(kernel, torch.randn(m, k, dtype=dtype, device=self.device), self.device)
-                               for m in ROWS]
+                times[name] = [_time(kernel, torch.randn(ROWS[0], k, dtype=dtype, device=self.device), self.device)]
                 built[name] = kernel
             except Exception as e:  # noqa: BLE001 - a candidate this machine cannot run
                 logger.info("kernel %s unusable for %s %dx%d: %s", name, precision, n, k, e)
         if not built:
             raise RuntimeError(f"quantization: no kernel can run a {precision} {n}x{k} projection on {self.device}")
+        first = min(t[0] for t in times.values())
+        for name in [c for c in times if times[c][0] > self.SLOWER * first]:  # out of the running: not timed further
+            del times[name], built[name]
+        for name, kernel in built.items():
+            times[name] += [_time(kernel, torch.randn(m, k, dtype=dtype, device=self.device), self.device)
+                            for m in ROWS[1:]]
         best = [min(t[i] for t in times.values()) for i in range(len(ROWS))]
         name = min(times, key=lambda c: sum(t / b for t, b in zip(times[c], best)))
         shown = ", ".join(f"{c} " + "/".join(f"{t * 1e3:.2f}" for t in times[c]) for c in times)
