@@ -15,10 +15,8 @@ import torch
 
 from specserve.config import parse_dtype
 from specserve.engine.engine import LLMEngine
-from specserve.engine.layer_loop import choose_layer_loop, native_layer_kernels, recalled_plan
 from specserve.errors import InvalidRequestError
 from specserve.isa import bf16_works
-from specserve.model.attention import in_place_attention
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from specserve.model.gguf_file import GGUFFile
 from specserve.model.gguf_model import gguf_config, gguf_tokenizer_dir, install_gguf_weights, rope_freq_factors
@@ -37,12 +35,11 @@ logger = logging.getLogger("specserve")
 
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
-    quantization: str = "none", layer_loop: bool = True,
+    quantization: str = "none",
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped); returns (model, tokenizer or None,
-    max_model_len, the precision the weights run in). `layer_loop`: the engine's attention can run
-    the native layer loop (the in-place CPU backend), so float32 may choose it."""
+    max_model_len, the precision the weights run in)."""
     if load_format != "dummy":
         gguf_path = gguf_behind(model, load_format)
         if resolve_quantization(quantization, gguf_path, device) == "gguf":
@@ -71,15 +68,7 @@ def build_model(
     precision = resolve_quantization(quantization, loaded.gguf_path, device)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
     tuner = KernelTuner(torch.device(device))
-    # float32 on the CPU: the native layer loop's kernels, built before the dense weights may go
-    plan = recalled_plan(net, tuner) if precision == "none" and layer_loop else "tuned"
-    natives = native_layer_kernels(net) if plan != "tuned" else None
-    preset = natives if plan == "native-loop" else None
-    chosen = prepare_linears(net, precision, tuner.choose, source, preset=preset)
-    if natives is not None and (preset is not None or choose_layer_loop(net, natives, tuner, limit)):
-        net.kernels_changed()
-        chosen.update({name: "native-f32 (layer loop)" for name in natives})
-    del natives, preset  # the plan not taken, and the dense weights only it held
+    chosen = prepare_linears(net, precision, tuner.choose, source)
     logger.info("%s: %s weights; kernels: %s", model, precision,
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
     tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
@@ -161,10 +150,8 @@ class LLM:
             logger.warning("dtype: bfloat16 matmuls cannot run on this CPU (probed); using float32")
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
-        # float32 weights (the only ones that choose the layer loop) with the engine's attention
-        layer_loop = in_place_attention(args.attention_backend, torch.device(args.device), args.kv_dtype("none"))
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
-                                                       args.max_model_len, args.seed, args.quantization, layer_loop)
+                                                       args.max_model_len, args.seed, args.quantization)
         config = args.engine_config(net.config, limit, precision)
         self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(args.speculative, args.model),
                                 draft_builder=self._build_draft)

@@ -410,11 +410,15 @@ def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
     out: dict[str, KernelFactory] = {}
     cpu32 = device == "cpu" and weight.dtype == torch.float32
     if precision == "none":
-        out["dense"] = lambda: DenseKernel(weight, bias)
-        if OneDnnKernel.supported(weight):
-            out["onednn"] = lambda: OneDnnKernel(weight, bias)
         if cpu32 and native_available():
+            # Only row-invariant kernels: F.linear and oneDNN pick their blocking by the number of
+            # rows, so a row's last bits depended on its batch (batch-4 and batch-1 logprobs differed
+            # at a quarter of the positions) and greedy speculation could change the output.
             out["native-f32"] = lambda: NativeF32Kernel(weight, bias)
+        else:
+            out["dense"] = lambda: DenseKernel(weight, bias)
+            if OneDnnKernel.supported(weight):
+                out["onednn"] = lambda: OneDnnKernel(weight, bias)
     elif precision == "int8":
         q8 = quantize_int8(weight)
         if cpu32 and native_available() and k % GROUP_SIZE == 0:
@@ -465,11 +469,10 @@ def prepare_linears(
     precision: str,
     choose: Callable[[str, tuple[int, int], torch.dtype, dict[str, KernelFactory]], tuple[str, nn.Module]],
     int4_source: Callable[[str], Int4Weight | None] | None = None,
-    preset: dict[str, nn.Module] | None = None,
 ) -> dict[str, str]:
     """Give every projection (module with a `kernel` slot) the kernel `choose` picks for
-    `precision` (the LM head: int8 when the rest is int4), or its kernel in `preset`, and drop the
-    dense weights the kernel no longer needs. Returns {module name: kernel name}."""
+    `precision` (the LM head: int8 when the rest is int4), and drop the dense weights the kernel no
+    longer needs. Returns {module name: kernel name}."""
     if precision not in QUANTIZATIONS:
         raise ValueError(f"quantization: unknown {precision!r}; choose one of {', '.join(QUANTIZATIONS)}")
     shared = {id(p) for name, m in model.named_modules() if not hasattr(m, "kernel")
@@ -478,17 +481,13 @@ def prepare_linears(
     for name, module in model.named_modules():
         if not hasattr(module, "kernel") or module.weight is None:
             continue
-        if preset is not None and name in preset:
-            module.kernel = preset[name]
-            chosen[name] = f"{type(preset[name]).__name__} (preset)"
-        else:
-            own = "int8" if precision == "int4" and name == "lm_head" else precision
-            exact = int4_source(name) if own == "int4" and int4_source is not None else None
-            weight = module.weight.detach()
-            factories = candidates(own, weight, None if module.bias is None else module.bias.detach(), exact)
-            kernel_name, kernel = choose(own, tuple(weight.shape), weight.dtype, factories)
-            module.kernel = kernel
-            chosen[name] = kernel_name
+        own = "int8" if precision == "int4" and name == "lm_head" else precision
+        exact = int4_source(name) if own == "int4" and int4_source is not None else None
+        weight = module.weight.detach()
+        factories = candidates(own, weight, None if module.bias is None else module.bias.detach(), exact)
+        kernel_name, kernel = choose(own, tuple(weight.shape), weight.dtype, factories)
+        module.kernel = kernel
+        chosen[name] = kernel_name
         if id(module.weight) not in shared:  # tied to the embedding: the embedding still needs it
             del module.weight
             module.register_parameter("weight", None)
