@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from specserve import LLM, SamplingParams
+from specserve.errors import InvalidRequestError
 from specserve.model import ops
 from specserve.model.gguf_file import GGUFError, GGUFFile
 
@@ -260,7 +261,7 @@ def test_auto_runs_a_k_quant_file_on_its_blocks_and_gguf_needs_a_gguf(files: dic
     assert resolve_quantization("auto", files["qwen2"], "cuda") == "none"
     with pytest.raises(ValueError, match="quantization: 'gguf' runs a GGUF file's own blocks"):
         LLM(str(tiny_llama), quantization="gguf")
-    with pytest.raises(Exception, match="dtype"):
+    with pytest.raises(InvalidRequestError, match="float32 activations"):
         LLM(str(files["qwen2"]), quantization="gguf", dtype="bfloat16")
 
 

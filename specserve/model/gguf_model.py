@@ -166,7 +166,7 @@ def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: 
     def install(module: nn.Module, name: str, tensors: list[str], bias: torch.Tensor | None) -> None:
         parts, types = zip(*(blocks(t) for t in tensors))
         what = "gguf:" + "+".join(g.tensor(t).type_name for t in tensors)
-        shape = (sum(p.shape[0] for p in parts), cfg.hidden_size if "down" not in name else cfg.intermediate_size)
+        shape = (sum(p.shape[0] for p in parts), g.tensor(tensors[0]).cols)
         kernel_name, kernel = choose(what, shape, torch.float32, gguf_candidates(list(parts), list(types), bias))
         module.kernel = kernel
         module.weight = None  # the kernel holds the weights (and the bias)

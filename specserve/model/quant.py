@@ -8,11 +8,14 @@
   q in 0..15). A GGUF tensor already in Q4_0 or Q4_1 is taken from its own blocks, so the int4
   weights are exactly the file's; anything else is quantized from the dequantized weights.
   The LM head stays int8 in int4 mode (it is tied to the embedding in small models, and GGUFs
-  ship it in Q8_0).
+  ship it in Q8_0);
+- gguf: a GGUF file's tensors as the file stores them, each its own type (GGUFLinearKernel over
+  the compiled operators of specserve/csrc; the model is built by specserve.model.gguf_model).
 
 Which kernel runs a precision is chosen by measurement on the machine at hand (`KernelTuner`),
-among those the device offers: on CPU, float32 by `F.linear` or by oneDNN on a prepacked
-weight; int8/int4 by PyTorch's packed weight-only kernels with bfloat16 or float16 activations.
+among those the device offers and that compute a row alone whatever its batch: on the CPU, the
+native kernels where they build (else `F.linear` or oneDNN for float32, PyTorch's packed
+weight-only kernels for int8/int4), and for gguf one compiled variant per instruction set.
 On CUDA, int4 uses PyTorch's tinygemm kernel and int8 a dequantizing matmul.
 """
 
