@@ -33,9 +33,12 @@ except ImportError:
 CSRC = os.path.join("specserve", "csrc")
 COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
+HEADERS = ("gguf_blocks.h", "gguf_packed.h", "qgemm.h")
+
 # Variant sources and their flags; a variant's macro tells ops.cpp it was built.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"), [])]
+VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"), []),
+                                         (os.path.join(CSRC, "gguf_pack.cpp"), [])]
 if X86:
     VARIANTS.append((os.path.join(CSRC, "qgemm_avx2.cpp"), ["-mavx2", "-mfma", "-mf16c"]))
 DEFINES = [("SPECSERVE_HAVE_AVX2", "1")] if X86 else []
@@ -51,7 +54,7 @@ class Build(BuildExtension):
                 objects += self.compiler.compile(
                     [source], output_dir=self.build_temp, include_dirs=[CSRC],
                     extra_postargs=["-std=c++17", "-fPIC", *COMMON, *flags],
-                    depends=[os.path.join(CSRC, "gguf_blocks.h"), os.path.join(CSRC, "qgemm.h")],
+                    depends=[os.path.join(CSRC, h) for h in HEADERS],
                 )
             ext.extra_objects = objects
         super().build_extension(ext)
@@ -67,7 +70,7 @@ setup(
             # at::parallel_for is an OpenMP region compiled into this library (the runtime is PyTorch's libgomp)
             extra_compile_args={"cxx": [*COMMON, "-fopenmp"]},
             extra_link_args=["-fopenmp"],
-            depends=[os.path.join(CSRC, "gguf_blocks.h"), os.path.join(CSRC, "qgemm.h")],
+            depends=[os.path.join(CSRC, h) for h in HEADERS],
         )
     ],
     cmdclass={"build_ext": Build.with_options(use_ninja=False)},

@@ -1,8 +1,9 @@
 """GGUF models on their own blocks: every block type decodes exactly as gguf-py decodes it; every
 compiled kernel variant computes the dequantized product of what it was given, and computes a row
 bit for bit the same alone or in any batch of 1..70 rows; a model read from a k-quant file computes
-what its dequantized weights compute, in the Qwen2 and Llama layouts; speculation stays lossless
-on it; a broken file is an error that names the file and the tensor."""
+what its dequantized weights compute, in the Qwen2 and Llama layouts; Q4_K repacked eight rows at a
+time is the same numbers and its kernels hold the same properties; speculation stays lossless on
+it; a broken file is an error that names the file and the tensor."""
 
 from __future__ import annotations
 
@@ -95,6 +96,74 @@ def test_a_fused_projection_of_mixed_types_is_its_parts_side_by_side(isa: str) -
     assert torch.equal(fused, alone)
 
 
+VECTOR_ISAS = [isa for isa in ISAS if isa != "generic"]  # the variants that have packed candidates
+
+
+def _packed(blocks: torch.Tensor) -> torch.Tensor:
+    return torch.ops.specserve.gguf_pack(blocks, int(Q.Q4_K), blocks.shape[1] // 144 * 256)
+
+
+def test_packing_q4k_is_lossless() -> None:
+    """Eight rows at a time, every byte kept: the packed tensor dequantizes to the file's values
+    (scales and mins of all 64 values, every quant), and its size per row is the file's plus 4 bytes
+    per 256 weights."""
+    blocks, ref = _blocks(Q.Q4_K, 64, 1024, seed=4)
+    packed = _packed(blocks)
+    assert packed.shape == (64, 4 * 148)
+    assert torch.equal(torch.ops.specserve.gguf_dequantize(packed, 112, 1024), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_variant_computes_the_dequantized_product_from_packed_q4k(isa: str) -> None:
+    blocks, ref = _blocks(Q.Q4_K, 48, 768, seed=1)
+    x = torch.randn(9, 768) * 3
+    expect = torch.ops.specserve.gguf_round_activations(x, 256).double() @ torch.from_numpy(ref).double().T
+    bias = torch.randn(48)
+    y = torch.ops.specserve.gguf_linear(x, [_packed(blocks)], [112], bias, ops.isa_id(isa))
+    err = (y.double() - bias.double() - expect).abs().max() / expect.abs().max()
+    assert err < 2e-6, err
+    if isa == "generic":  # the portable variant unpacks each group and sums as it does for the file
+        assert torch.equal(y, torch.ops.specserve.gguf_linear(x, [blocks], [int(Q.Q4_K)], bias, ops.isa_id(isa)))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_variant_is_batch_invariant_bit_for_bit_on_packed_q4k(isa: str) -> None:
+    """As for the file's blocks: a row alone and among 1..70 rows (tiles, groups of four
+    activation rows and the remainders) gives the same bits."""
+    packed = _packed(_blocks(Q.Q4_K, 24, 512, seed=2)[0])
+    x = torch.randn(70, 512)
+    run = lambda rows: torch.ops.specserve.gguf_linear(rows, [packed], [112], None, ops.isa_id(isa))  # noqa: E731
+    full = run(x)
+    assert torch.equal(full, torch.cat([run(x[i:i + 1]) for i in range(70)]))
+    for m in range(2, 70):
+        assert torch.equal(run(x[:m]), full[:m]), m
+        assert torch.equal(run(x[70 - m:]), full[70 - m:]), m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_fused_projection_with_a_packed_part_is_its_parts_side_by_side(isa: str) -> None:
+    parts = [_packed(_blocks(Q.Q4_K, 48, 512, seed=0)[0]), _blocks(Q.Q6_K, 16, 512, seed=1)[0],
+             _packed(_blocks(Q.Q4_K, 8, 512, seed=2)[0])]
+    types = [112, int(Q.Q6_K), 112]
+    x, bias = torch.randn(5, 512), torch.randn(72)
+    fused = torch.ops.specserve.gguf_linear(x, parts, types, bias, ops.isa_id(isa))
+    alone = torch.cat([torch.ops.specserve.gguf_linear(x, [p], [t], None, ops.isa_id(isa))
+                       for p, t in zip(parts, types)], dim=1) + bias
+    assert torch.equal(fused, alone)
+
+
+def test_packing_refuses_what_it_cannot_pack() -> None:
+    blocks, _ = _blocks(Q.Q4_K, 12, 512)
+    with pytest.raises(RuntimeError, match="12 rows are not whole groups of 8"):
+        _packed(blocks)
+    with pytest.raises(RuntimeError, match="ggml type 14 has no packed layout"):
+        torch.ops.specserve.gguf_pack(_blocks(Q.Q6_K, 8, 512)[0], int(Q.Q6_K), 512)
+    with pytest.raises(RuntimeError, match="a packed tensor .* has a multiple of 8 rows, got 12"):
+        torch.ops.specserve.gguf_linear(torch.randn(1, 512), [torch.zeros(12, 296, dtype=torch.uint8)], [112], None, 0)
+    with pytest.raises(RuntimeError, match="is not a lookup table"):
+        torch.ops.specserve.gguf_embedding(torch.tensor([0]), _packed(_blocks(Q.Q4_K, 8, 512)[0]), 112, 512)
+
+
 def test_bad_arguments_are_errors_that_say_what_is_wrong() -> None:
     blocks, _ = _blocks(Q.Q4_K, 8, 512)
     with pytest.raises(RuntimeError, match="x must be a 2-D float32"):
@@ -123,13 +192,34 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(params=["file", "x8"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every GGUF projection forced onto the file's blocks ("file") or, where a part is Q4_K, onto
+    Q4_K packed eight rows at a time ("x8"), instead of leaving the choice to the timing."""
+    from specserve.model.tuning import KernelTuner
+
+    if request.param == "x8" and not VECTOR_ISAS:
+        pytest.skip("no vectorised kernel variant on this CPU")
+    original = KernelTuner.choose
+
+    def choose(self, precision, shape, dtype, factories):  # type: ignore[no-untyped-def]
+        if precision.startswith("gguf:"):
+            names = [n for n in factories if n.endswith("-x8")] if request.param == "x8" else []
+            names = names or [n for n in factories if not n.endswith("-x8")]
+            factories = {names[-1]: factories[names[-1]]}
+        return original(self, precision, shape, dtype, factories)
+
+    monkeypatch.setattr(KernelTuner, "choose", choose)
+    return request.param
+
+
 class _RoundedDense(torch.nn.Module):
     """A dense projection whose input is rounded as the block kernels round it, part by part."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int], types: list[int]) -> None:
         super().__init__()
         self.weights = weight.split(rows)
-        self.blocks = [256 if Q(t) in SUPER else 32 for t in types]
+        self.blocks = [256 if t == 112 or Q(t) in SUPER else 32 for t in types]
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +229,8 @@ class _RoundedDense(torch.nn.Module):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_a_model_on_its_blocks_computes_what_its_dequantized_weights_compute(files: dict[str, Path], arch: str) -> None:
+def test_a_model_on_its_blocks_computes_what_its_dequantized_weights_compute(files: dict[str, Path], arch: str,
+                                                                              layout: str) -> None:
     """The same file run on its blocks (gguf) and dequantized to float32 (none), the float model's
     projections given the same int8 rounding of their inputs: the same logits, up to rounding. So
     the layouts agree (fused q/k/v and gate/up of mixed types, llama's permuted Q/K rows, Qwen2's
@@ -173,10 +264,12 @@ def test_a_model_on_its_blocks_computes_what_its_dequantized_weights_compute(fil
     assert (row < 1e-5).float().mean() >= 0.5, row
 
 
-def test_the_native_layer_loop_computes_the_python_layers_bit_for_bit(files: dict[str, Path]) -> None:
+def test_the_native_layer_loop_computes_the_python_layers_bit_for_bit(files: dict[str, Path], layout: str) -> None:
     from specserve.model.forward import ForwardItem
 
     llm = LLM(str(files["qwen2"]))
+    packed = [t for m in llm.engine.model.modules() if hasattr(m, "kernel") for t in getattr(m.kernel, "types", [])]
+    assert (112 in packed) == (layout == "x8")
     model, runner = llm.engine.model, llm.engine.runner
     assert model._native(runner.kv_cache, torch.zeros(1, 256)) is not None  # the loop runs these kernels
     prompt = random_prompts(1, seed=6, low=20, high=21, vocab=259)[0]
@@ -215,6 +308,21 @@ def test_greedy_speculation_on_a_k_quant_model_is_plain_decoding(
     assert [o.token_ids for o in outs] == plain
     assert llm.engine.draft_totals.proposed > 0
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("layout", ["x8"], indirect=True)
+@pytest.mark.parametrize("method", ["ngram", "draft-model"])
+def test_greedy_speculation_on_packed_q4k_is_plain_decoding(files: dict[str, Path], layout: str, method: str) -> None:
+    """Verifying drafts runs the packed kernels on several rows at once: still the plain tokens."""
+    plain = LLM(str(files["qwen2"]), max_num_batched_tokens=24)
+    prompts = random_prompts(6, seed=9, vocab=259)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    spec: dict = dict(method=method, num_tokens=4, controller="fixed")
+    if method == "draft-model":
+        spec["draft_model"] = str(files["qwen2"])  # the same model: every draft accepted, 5 rows verified a step
+    llm = shuffle_grants(LLM(str(files["qwen2"]), speculative=spec, max_num_batched_tokens=24), seed=3)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    assert llm.engine.draft_totals.proposed > 0
 
 
 def test_a_truncated_file_names_the_file_and_the_tensor(files: dict[str, Path], tmp_path: Path) -> None:
@@ -265,9 +373,10 @@ def test_auto_runs_a_k_quant_file_on_its_blocks_and_gguf_needs_a_gguf(files: dic
         LLM(str(files["qwen2"]), quantization="gguf", dtype="bfloat16")
 
 
-def test_weights_stay_in_the_files_mapping(files: dict[str, Path]) -> None:
-    """The kernels read the file's bytes where the mapping holds them: no projection, head or
-    embedding is copied (a Qwen2 file needs no row reordering)."""
+@pytest.mark.parametrize("layout", ["file"], indirect=True)
+def test_weights_stay_in_the_files_mapping(files: dict[str, Path], layout: str) -> None:
+    """On the file's blocks the kernels read the file's bytes where the mapping holds them: no
+    projection, head or embedding is copied (a Qwen2 file needs no row reordering)."""
     llm = LLM(str(files["qwen2"]))
     g = GGUFFile(files["qwen2"])
     model = llm.engine.model
@@ -278,3 +387,24 @@ def test_weights_stay_in_the_files_mapping(files: dict[str, Path]) -> None:
         for part, short in zip(module.kernel.parts, names):
             full = short if short == "output" else f"blk.1.{short}"
             assert part.data_ptr() - base == g.tensor(full + ".weight").offset, full
+
+
+@pytest.mark.parametrize("layout", ["x8"], indirect=True)
+def test_packed_projections_hold_the_files_numbers(files: dict[str, Path], layout: str) -> None:
+    """Packed, a projection's Q4_K parts are copies in the packed layout that dequantize to the
+    file's values; its other parts stay views of the mapping."""
+    llm = LLM(str(files["qwen2"]))
+    g = GGUFFile(files["qwen2"])
+    model = llm.engine.model
+    base = model.embed_tokens.blocks.data_ptr() - g.tensor("token_embd.weight").offset  # the engine's mapping
+    layer = model.layers[0]
+    for module, names in ((layer.self_attn.qkv_proj, ["attn_q", "attn_k", "attn_v"]),
+                          (layer.mlp.gate_up_proj, ["ffn_gate", "ffn_up"])):
+        for part, type_id, short in zip(module.kernel.parts, module.kernel.types, names):
+            t = g.tensor(f"blk.0.{short}.weight")
+            file_values = torch.ops.specserve.gguf_dequantize(g.data(t.name), t.type_id, t.cols)
+            if t.type_name == "Q4_K":
+                assert type_id == 112 and part.data_ptr() - base != t.offset
+                assert torch.equal(torch.ops.specserve.gguf_dequantize(part, 112, t.cols), file_values)
+            else:
+                assert type_id == t.type_id and part.data_ptr() - base == t.offset

@@ -14,6 +14,9 @@ enum GgmlType : int {
     kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
 };
 
+// Q4_K repacked eight rows at a time (gguf_packed.h): our id, 100 + the ggml type.
+enum PackedType : int { kQ4_Kx8 = 112 };
+
 constexpr int kQK = 256;  // elements of a k-quant super-block
 constexpr int kQ32 = 32;  // elements of a legacy (Q4_0, Q4_1, Q8_0) block
 
@@ -33,11 +36,16 @@ static inline bool type_info(int type, TypeInfo* out) {
         case kQ4_K: *out = {256, 144}; return true;
         case kQ5_K: *out = {256, 176}; return true;
         case kQ6_K: *out = {256, 210}; return true;
+        case kQ4_Kx8: *out = {256, 148}; return true;  // per row: a group of 8 rows is 8x this
         default: return false;
     }
 }
 
-static inline bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+static inline bool is_packed(int type) { return type == kQ4_Kx8; }
+// Types multiplied with ActQ8K activations (the packed ones included).
+static inline bool is_k_quant(int type) {
+    return type == kQ4_K || type == kQ5_K || type == kQ6_K || is_packed(type);
+}
 static inline bool is_legacy_quant(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
 
 // IEEE half -> float, bit-exact (no F16C needed: used on load paths and by the scalar kernels).
@@ -87,14 +95,15 @@ static inline void k_scale_min(int j, const uint8_t* q, uint8_t* d, uint8_t* m) 
 }
 
 // Activations, quantized per row (every row alone: a row's numbers never depend on the others).
-//   Q8K: per 256 elements, d = max|x| / 127, q = round(x / d); sums of q per 16 (for the k-quants'
-//        mins and offsets);
+//   Q8K: per 256 elements, d = max|x| / 127, q = round(x / d); sums of q per 16 and per 32 (for the
+//        k-quants' mins and offsets);
 //   Q8B: per 32 elements, the same rule, and d * sum(q) (for Q4_1's mins).
 // Legacy blocks are summed in two chains, even and odd blocks, added at the end (the float adds of
 // 32-element blocks would otherwise wait on each other); every path sums in that order.
 struct ActQ8K {
     float d;
     int16_t bsums[16];
+    int16_t bsums32[8];  // sums of q per 32 (Q4_K's mins, in the packed kernels' pairs)
     int8_t qs[kQK];
 };
 struct ActQ8B {

@@ -6,6 +6,7 @@
 //   gguf_dequantize(blocks, type, cols)          a tensor's rows as float32
 //   gguf_embedding(ids, blocks, type, cols)      the rows `ids` as float32 (an embedding lookup)
 //   gguf_round_activations(x, block)             x as the integer kernels see it (tests)
+//   gguf_pack(blocks, type, cols)                Q4_K rows repacked eight at a time (gguf_packed.h)
 //   cpu_isas()                                   the kernel variants this CPU can run (bit i: ISAS[i])
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_packed.h"
 #include "qgemm.h"
 
 namespace specserve {
@@ -69,6 +71,8 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t cols, const char* w
                 info.block_elems, "-element blocks");
     TORCH_CHECK(w.size(1) == cols / info.block_elems * info.block_bytes, what, ": rows of ", w.size(1),
                 " bytes do not hold ", cols, " elements of type ", type);
+    TORCH_CHECK(!is_packed((int)type) || w.size(0) % kPackRows == 0, what, ": a packed tensor (type ", type,
+                ") has a multiple of ", kPackRows, " rows, got ", w.size(0));
 }
 
 // Activations rounded for the weight types present: Q8K blocks for k-quants, Q8B for the others.
@@ -150,6 +154,7 @@ void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M
         // small enough to balance the threads, large enough to amortise taking them
         int64_t chunk = parts[i].rows / (8 * threads);
         chunk = chunk < 8 ? 8 : (chunk > 256 ? 256 : chunk);
+        if (is_packed(type)) chunk -= chunk % kPackRows;  // whole groups of eight rows
         for (int64_t s = 0; s < parts[i].rows; s += chunk)
             chunks.push_back({i, s, s + chunk < parts[i].rows ? s + chunk : parts[i].rows});
         col += parts[i].rows;
@@ -199,14 +204,48 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t cols)
     at::Tensor out = at::empty({N, cols}, blocks.options().dtype(at::kFloat));
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     float* dst = out.data_ptr<float>();
+    if (is_packed((int)type)) {  // each group of eight rows back in the file's blocks, then as those
+        const int file_type = unpacked_type_of((int)type);
+        TypeInfo info;
+        type_info(file_type, &info);
+        const int64_t nb = cols / kQK, file_rb = nb * info.block_bytes;
+        at::parallel_for(0, N / kPackRows, 8, [&](int64_t g0, int64_t g1) {
+            std::vector<uint8_t> rows((size_t)(kPackRows * file_rb));
+            for (int64_t g = g0; g < g1; g++) {
+                unpack_group((int)type, src + g * kPackRows * rb, nb, rows.data(), file_rb);
+                for (int r = 0; r < kPackRows; r++)
+                    dequantize_row(file_type, rows.data() + r * file_rb, cols, dst + (g * kPackRows + r) * cols);
+            }
+        });
+        return out;
+    }
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; n++) dequantize_row((int)type, src + n * rb, cols, dst + n * cols);
     });
     return out;
 }
 
+at::Tensor gguf_pack(const at::Tensor& blocks, int64_t type, int64_t cols) {
+    check_blocks(blocks, type, cols, "gguf_pack");
+    const int packed = packed_type_of((int)type);
+    TORCH_CHECK(packed > 0, "gguf_pack: ggml type ", type, " has no packed layout (Q4_K has)");
+    const int64_t N = blocks.size(0), rb = blocks.size(1), nb = cols / kQK;
+    TORCH_CHECK(N % kPackRows == 0, "gguf_pack: ", N, " rows are not whole groups of ", kPackRows);
+    TypeInfo info;
+    type_info(packed, &info);
+    at::Tensor out = at::empty({N, nb * info.block_bytes}, blocks.options());
+    const uint8_t* src = blocks.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    const int64_t group_bytes = kPackRows * nb * info.block_bytes;
+    at::parallel_for(0, N / kPackRows, 16, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; g++) pack_group((int)type, src + g * kPackRows * rb, rb, nb, dst + g * group_bytes);
+    });
+    return out;
+}
+
 at::Tensor gguf_embedding(const at::Tensor& ids_in, const at::Tensor& blocks, int64_t type, int64_t cols) {
     check_blocks(blocks, type, cols, "gguf_embedding");
+    TORCH_CHECK(!is_packed((int)type), "gguf_embedding: a packed tensor (type ", type, ") is not a lookup table");
     TORCH_CHECK(ids_in.device().is_cpu() && (ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt),
                 "gguf_embedding: ids must be an integer CPU tensor, got ", ids_in.scalar_type());
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
@@ -278,6 +317,7 @@ TORCH_LIBRARY(specserve, m) {
     m.def("gguf_dequantize(Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_embedding(Tensor ids, Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_round_activations(Tensor x, int block) -> Tensor");
+    m.def("gguf_pack(Tensor blocks, int type, int cols) -> Tensor");
     m.def("cpu_isas() -> int", &specserve::cpu_isas);
 }
 
@@ -286,4 +326,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("gguf_dequantize", &specserve::gguf_dequantize);
     m.impl("gguf_embedding", &specserve::gguf_embedding);
     m.impl("gguf_round_activations", &specserve::gguf_round_activations);
+    m.impl("gguf_pack", &specserve::gguf_pack);
 }

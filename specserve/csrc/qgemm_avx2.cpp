@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "gguf_blocks.h"
+#include "gguf_packed.h"
 #include "qgemm.h"
 
 namespace specserve {
@@ -185,6 +186,95 @@ void gemm_k(const GemmTask& t, int64_t n0, int64_t n1) {
     }
 }
 
+// ---- Q4_K packed in groups of eight weight rows (gguf_packed.h) ------------------------------------------
+// One vector: four quants of each of the eight rows; times four activation bytes broadcast, the
+// pair sums of a whole sub-block add up in int16 and take the sub-block scale once. The eight rows'
+// results are the eight lanes of the float accumulator, so no horizontal sums.
+
+inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// int16 lanes 2r, 2r+1 = scale[r]: eight unsigned bytes, each doubled.
+inline __m256i dup_u8_scales(const uint8_t* p) {
+    const __m128i v = _mm_loadl_epi64((const __m128i*)p);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+// Q4_Kx8 super-block times R activation blocks; acc[r] lane j += row j's share.
+template <int R>
+inline void dot_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, __m256* acc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i isum[R], off[R];
+    for (int r = 0; r < R; r++) isum[r] = off[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        const uint8_t* qs = g + 160 + 256 * (s >> 1);
+        __m256i p[R];
+        for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + 32 * t));
+            const __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(w, 4) : w, m4);
+            for (int r = 0; r < R; r++)
+                p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(q, bcast4(x[r * stride].qs + 32 * s + 4 * t)));
+        }
+        const __m256i sc = dup_u8_scales(g + 32 + 8 * s);
+        for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], sc));
+    }
+    for (int pr = 0; pr < 4; pr++) {  // mins: pairs of sub-blocks against pairs of 32-sums
+        const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + 96 + 16 * pr)));
+        for (int r = 0; r < R; r++)
+            off[r] = _mm256_add_epi32(off[r], _mm256_madd_epi16(mn, bcast4((const int8_t*)(x[r * stride].bsums32 + 2 * pr))));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+    for (int r = 0; r < R; r++) {
+        const __m256 xd = _mm256_set1_ps(x[r * stride].d);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off[r]), _mm256_mul_ps(dmin, xd), acc[r]);
+    }
+}
+
+template <int R>
+inline void group_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m256* out) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) dot_q4kx8<R>(g + b * kQ4Kx8Bytes, x + b, stride, acc);
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+// Activation rows a packed group is applied to in one pass (their int16 and int32 sums in registers).
+constexpr int kX8Rows = 4;  // 6 or 8 spill registers: slower (measured on Zen 3)
+
+// Groups of eight weight rows in [n0, n1) against every activation row, tiled like gemm_k.
+void gemm_q4kx8(const GemmTask& t, int64_t n0, int64_t n1) {
+    const int64_t nb = t.K / kQK;
+    const int tile = tile_rows(t.K);
+    const ActQ8K* xq = (const ActQ8K*)t.xq;
+    __m256 out[kX8Rows];
+    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
+        const int mt = (int)min64(tile, t.M - m0);
+        const ActQ8K* x = xq + m0 * nb;
+        for (int64_t n = n0; n < n1; n += kPackRows) {
+            const uint8_t* g = t.w + n * t.row_bytes;
+            const __m256 bias = t.bias ? _mm256_loadu_ps(t.bias + n) : _mm256_setzero_ps();
+            for (int i = 0; i < mt; i += kX8Rows) {
+                const int rows = mt - i < kX8Rows ? mt - i : kX8Rows;
+                switch (rows) {
+                    case 4: group_q4kx8<4>(g, x + i * nb, nb, nb, out); break;
+                    case 3: group_q4kx8<3>(g, x + i * nb, nb, nb, out); break;
+                    case 2: group_q4kx8<2>(g, x + i * nb, nb, nb, out); break;
+                    default: group_q4kx8<1>(g, x + i * nb, nb, nb, out); break;
+                }
+                for (int r = 0; r < rows; r++) _mm256_storeu_ps(t.y + (m0 + i + r) * t.ldy + n, _mm256_add_ps(out[r], bias));
+            }
+        }
+    }
+}
+
 // ---- legacy types, 32 per block: Q8_0 (w = d*q), Q4_0 (w = d*(q-8)), Q4_1 (w = d*q + m) ---------
 // Two chains per row (even and odd blocks; see gguf_blocks.h), in every path.
 
@@ -272,6 +362,7 @@ void gemm_legacy(const GemmTask& t, int64_t n0, int64_t n1) {
 
 void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
     switch (t.type) {
+        case kQ4_Kx8: return gemm_q4kx8(t, n0, n1);
         case kQ4_K: return gemm_k<kQ4_K>(t, n0, n1);
         case kQ5_K: return gemm_k<kQ5_K>(t, n0, n1);
         case kQ6_K: return gemm_k<kQ6_K>(t, n0, n1);

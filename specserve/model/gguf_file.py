@@ -204,6 +204,17 @@ class GGUFFile:
         view = self._array[t.offset:t.offset + t.nbytes].reshape(t.rows, row_bytes)
         return torch.from_numpy(view)
 
+    def release(self, name: str) -> None:
+        """Drop this process's copies of a tensor's pages (the whole pages inside it), once what was
+        made from them no longer reads them: they leave the resident size, and a later read of the
+        tensor pages them in again from the file."""
+        t = self.tensor(name)
+        page = mmap.PAGESIZE
+        start = -(-t.offset // page) * page
+        end = (t.offset + t.nbytes) // page * page
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def floats(self, name: str) -> torch.Tensor:
         """A small tensor (a norm, a bias) as float32 [shape], copied out of the mapping."""
         from specserve.model import ops

@@ -168,6 +168,9 @@ def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: 
         what = "gguf:" + "+".join(g.tensor(t).type_name for t in tensors)
         shape = (sum(p.shape[0] for p in parts), g.tensor(tensors[0]).cols)
         kernel_name, kernel = choose(what, shape, torch.float32, gguf_candidates(list(parts), list(types), bias))
+        for t, used in zip(tensors, kernel.parts):
+            if used.data_ptr() != g.data(t).data_ptr():  # a packed or reordered copy: the file's pages are not read again
+                g.release(t)
         module.kernel = kernel
         module.weight = None  # the kernel holds the weights (and the bias)
         module.bias = None

@@ -54,6 +54,10 @@ def _register_fakes() -> None:
     def _(ids, blocks, type, cols):  # type: ignore[no-untyped-def]
         return blocks.new_empty(*ids.shape, cols, dtype=torch.float32)
 
+    @torch.library.register_fake("specserve::gguf_pack")
+    def _(blocks, type, cols):  # type: ignore[no-untyped-def]
+        return blocks.new_empty(blocks.shape[0], cols // 256 * 148)
+
     @torch.library.register_fake("specserve::gguf_round_activations")
     def _(x, block):  # type: ignore[no-untyped-def]
         return torch.empty_like(x)

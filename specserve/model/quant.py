@@ -337,16 +337,17 @@ class NativeInt4Kernel(_NativeKernel):
 
 
 class GGUFLinearKernel(nn.Module):
-    """A projection over GGUF weight tensors as the file stores them (each its own type: a fused
-    q/k/v may be Q4_K, Q4_K and Q6_K), stacked along the output; activations float32, rounded to
-    int8 per block inside the operator. `isa` names the compiled variant that runs it."""
+    """A projection over GGUF weight tensors (each its own type: a fused q/k/v may be Q4_K, Q4_K and
+    Q6_K), stacked along the output; activations float32, rounded to int8 per block inside the
+    operator. `isa` names the compiled variant that runs it. A part is the file's blocks or, for
+    the packed types (PACKED), the same blocks repacked by `pack_gguf_parts`."""
 
     def __init__(self, parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str) -> None:
         super().__init__()
         from specserve.model import ops
 
         ops.load()
-        self.parts = parts  # uint8 [rows, bytes per row] views of the mapped file (not buffers: never copied)
+        self.parts = parts  # uint8 [rows, bytes per row]: views of the mapped file, or packed copies
         self.types = list(types)
         self.isa = isa
         self._isa_id = ops.isa_id(isa)
@@ -388,19 +389,54 @@ class _GGUFLinearDesc(ctypes.Structure):  # ops.cpp: SpecserveGgufLinear
                 ("bias", ctypes.c_void_p), ("parts", _GGUFPart * 4)]
 
 
+# ggml types with a packed layout (csrc/gguf_packed.h): type -> (packed type id, bytes per 256
+# weights of a row); a packed tensor's rows are whole groups of PACK_ROWS.
+PACKED = {12: (112, 148)}  # Q4_K -> Q4_Kx8
+PACK_ROWS = 8
+
+
 def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
     from specserve.model.gguf_file import GGML_TYPES
 
-    _, elems, size = GGML_TYPES[type_id]
+    packed = {pid: size for pid, size in PACKED.values()}
+    elems, size = (256, packed[type_id]) if type_id in packed else GGML_TYPES[type_id][1:]
     return blocks.shape[1] // size * elems
 
 
+def packable(part: torch.Tensor, type_id: int) -> bool:
+    return type_id in PACKED and part.shape[0] % PACK_ROWS == 0
+
+
+def pack_gguf_parts(parts: list[torch.Tensor], types: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """The parts with a packed layout repacked (new memory; the same numbers, losslessly), the
+    others as they are."""
+    out_parts, out_types = [], []
+    for p, t in zip(parts, types):
+        if packable(p, t):
+            out_parts.append(torch.ops.specserve.gguf_pack(p, t, _gguf_cols(p, t)))
+            out_types.append(PACKED[t][0])
+        else:
+            out_parts.append(p)
+            out_types.append(t)
+    return out_parts, out_types
+
+
+def _packed_kernel(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str) -> "GGUFLinearKernel":
+    return GGUFLinearKernel(*pack_gguf_parts(parts, types), bias, isa)
+
+
 def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None) -> dict[str, KernelFactory]:
-    """The compiled variants this CPU runs for these GGUF tensors, by name ("gguf-avx2", ...)."""
+    """The compiled variants this CPU runs for these GGUF tensors, by name: "gguf-avx2" over the
+    file's blocks, "gguf-avx2-x8" over Q4_K repacked eight rows at a time (for the vectorised
+    variants, where a part can be packed)."""
     from specserve.model import ops
 
-    return {f"gguf-{isa}": functools.partial(GGUFLinearKernel, parts, types, bias, isa)
-            for isa in ops.runnable_isas()}
+    out: dict[str, KernelFactory] = {}
+    for isa in ops.runnable_isas():
+        out[f"gguf-{isa}"] = functools.partial(GGUFLinearKernel, parts, types, bias, isa)
+        if isa != "generic" and any(packable(p, t) for p, t in zip(parts, types)):
+            out[f"gguf-{isa}-x8"] = functools.partial(_packed_kernel, parts, types, bias, isa)
+    return out
 
 
 # -- which kernels a device offers for a precision ------------------------------------------------
