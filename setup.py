@@ -35,7 +35,8 @@ COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
 HEADERS = ("gguf_blocks.h", "gguf_packed.h", "qgemm.h")
 
-# Variant sources and their flags; a variant's macro tells ops.cpp it was built.
+# Sources compiled apart from ops.cpp, each with its flags: the instruction-set variants (a variant's
+# macro tells ops.cpp it was built) and the portable repacking.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"), []),
                                          (os.path.join(CSRC, "gguf_pack.cpp"), [])]

@@ -23,6 +23,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--isa", default=None, help="kernel variant (default: the best this CPU runs)")
+    p.add_argument("--layout", choices=["file", "x8"], default="x8",
+                   help="Q4_K as the file stores it, or packed eight rows at a time (what the engine picks on AVX2)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -32,8 +34,12 @@ def main() -> None:
     ops.load()
     isa = ops.isa_id(a.isa or ops.runnable_isas()[-1])
     g = GGUFFile(a.gguf)
+    from specserve.model.quant import pack_gguf_parts
+
     tensors = [(g.data(n), t.type_id, t.cols) for n, t in g.tensors.items()
                if t.type_name in QUANTIZED and n != "token_embd.weight"]
+    if a.layout == "x8":
+        tensors = [(p[0], ty[0], k) for w, t, k in tensors for p, ty in [pack_gguf_parts([w], [t])]]
     total = sum(w.numel() for w, _, _ in tensors)
     xs = {k: torch.randn(1, k) for k in {c for _, _, c in tensors}}
     fresh = torch.ones(1 << 27, dtype=torch.int64)  # 1 GiB
@@ -67,7 +73,8 @@ def main() -> None:
     print(f"gemv: {total / 1e6:.0f} MB per row in {total / med['gemv'] / 1e6:.1f} ms, "
           f"{med['gemv'] / best_probe:.0%} of the probe's bandwidth")
     if a.json:
-        a.json.write_text(json.dumps({"gguf": a.gguf, "threads": a.threads, "bytes": total, "gb_per_s": med,
+        a.json.write_text(json.dumps({"gguf": a.gguf, "layout": a.layout, "threads": a.threads, "bytes": total,
+                                      "gb_per_s": med,
                                       "ratio": med["gemv"] / best_probe}, indent=1))
 
 

@@ -1,7 +1,8 @@
 // Products of float activations with GGUF-quantized weights: y[m, n] = sum_k x[m, k] W[n, k].
 //
 // The activations are first rounded to int8 per row (ActQ8K for the k-quants, ActQ8B for the
-// legacy types; see gguf_blocks.h); the weights stay in the file's blocks. A kernel walks its
+// legacy types; see gguf_blocks.h); the weights stay in the file's blocks (or Q4_K repacked
+// losslessly eight rows at a time, gguf_packed.h). A kernel walks its
 // weight rows once and, for each block, unpacks it once and applies it to every activation row of
 // a tile: M rows cost little more weight traffic than one (the room a token tree is verified in).
 //
@@ -17,7 +18,7 @@ namespace specserve {
 
 struct GemmTask {
     int type;            // ggml type of the weight rows
-    const uint8_t* w;    // [N, row_bytes] the file's blocks
+    const uint8_t* w;    // [N, row_bytes] the file's blocks, or packed groups of 8 rows (gguf_packed.h)
     int64_t row_bytes;
     int64_t K;           // elements per row
     const void* xq;      // M rows of K / block activation blocks (ActQ8K or ActQ8B)
