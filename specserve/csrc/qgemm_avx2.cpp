@@ -16,6 +16,10 @@ namespace avx2 {
 namespace {
 
 constexpr int kMaxTile = 64;
+// Weight bytes ahead that a kernel asks the cache for while it works on a block: one row's share
+// of the memory bandwidth rose from 71-73% to 74-79% of a read probe's in the same run (gemv_bandwidth.py,
+// Zen 3; 8192 bytes was no better).
+constexpr int kPrefetch = 2048;
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -155,7 +159,10 @@ inline void row_k(const uint8_t* row, const ActQ8K* x, int64_t stride, int64_t n
     constexpr int kBytes = Type == kQ4_K ? 144 : (Type == kQ5_K ? 176 : 210);
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) dot_k_fused<Type, R>(row + b * kBytes, x + b, stride, acc);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int l = 0; l < kBytes; l += 64) _mm_prefetch((const char*)(row + b * kBytes + kPrefetch + l), _MM_HINT_T0);
+        dot_k_fused<Type, R>(row + b * kBytes, x + b, stride, acc);
+    }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
@@ -242,7 +249,11 @@ template <int R>
 inline void group_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m256* out) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) dot_q4kx8<R>(g + b * kQ4Kx8Bytes, x + b, stride, acc);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = g + b * kQ4Kx8Bytes;
+        for (int l = 0; l < kQ4Kx8Bytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+        dot_q4kx8<R>(blk, x + b, stride, acc);
+    }
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
