@@ -1,0 +1,101 @@
+"""Input processing: a prompt and its sampling parameters become a `Sequence` ready to schedule.
+
+Tokenizes text prompts, checks token ids and lengths against the model's context and the KV cache,
+compiles a structured-output grammar, and seeds the request's random generator. Every failure is
+an InvalidRequestError naming the field. Knows nothing of scheduling or of other requests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.errors import InvalidRequestError
+from specserve.sampling_params import SamplingParams
+from specserve.structured import GrammarCompiler, TokenGrammar
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, cache_blocks: int,
+                 block_size: int, eos_token_ids: frozenset[int], device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.cache_blocks = cache_blocks
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+
+    def sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """The request as a sequence; InvalidRequestError naming the field when it cannot run."""
+        text, ids = self._tokenize(prompt)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                "prompt", f"{len(ids)} tokens leave no room to generate within the context of {limit} tokens"
+            )
+        max_total = min(len(ids) + params.max_tokens, limit)
+        if -(-max_total // self.block_size) > self.cache_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens = {max_total} tokens need more KV blocks than the cache holds "
+                f"({self.cache_blocks} x {self.block_size} tokens)",
+            )
+        grammar = self._grammar(params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=time.perf_counter(),
+                        max_total_len=max_total, generator=generator, prompt=text, grammar=grammar)
+
+    def eos_for(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a request: its stop_token_ids, and the model's unless ignore_eos."""
+        stops = frozenset(params.stop_token_ids)
+        return stops if params.ignore_eos else stops | self.eos_token_ids
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, exactly as a text prompt is tokenized for generation."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids instead")
+        return list(self.tokenizer(text).input_ids)
+
+    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
+        """Raise InvalidRequestError naming `field` unless every id is in the vocabulary."""
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this model's tokenizer (built when first asked)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_outputs", "this model has no tokenizer to constrain")
+            self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _grammar(self, params: SamplingParams) -> TokenGrammar | None:
+        """The request's structured-output grammar at its start; InvalidRequestError naming the field
+        when the schema, regex or grammar is not one."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_compiler.compile(params.structured_outputs)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            ids = self.tokenize(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt", "tokenizes to zero tokens")
+            return prompt, ids
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        self.check_token_ids(ids)
+        return None, ids
