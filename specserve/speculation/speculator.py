@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,20 +78,9 @@ class SpeculationStats:
         """Mean |predicted - measured| / measured step time."""
         return self.cost_abs_error_seconds / self.cost_actual_seconds if self.cost_actual_seconds else 0.0
 
-
-@dataclass
-class _Totals:
-    """The running sums behind SpeculationStats."""
-
-    steps: int = 0
-    predicted_accepted: float = 0.0
-    accepted: int = 0
-    cost_predicted_seconds: float = 0.0
-    cost_actual_seconds: float = 0.0
-    cost_abs_error_seconds: float = 0.0
-    cost_steps: int = 0
-    forced_drafted: int = 0
-    forced_accepted: int = 0
+    def plus(self, **deltas: float) -> SpeculationStats:
+        """These totals with `deltas` added to the named counters."""
+        return replace(self, **{name: getattr(self, name) + d for name, d in deltas.items()})
 
 
 @dataclass
@@ -151,7 +140,7 @@ class Speculator:
         self._open = False  # between propose and observe
         self._active: dict[str, Drafter] = {}
         self._failures = 0
-        self._totals = _Totals()
+        self._totals = SpeculationStats()  # the running sums (grants and drafters kept apart)
         self._grants: Counter[int] = Counter()
         self._drafted_with: Counter[str] = Counter()
         self._step_no = 0
@@ -507,19 +496,15 @@ class Speculator:
             if index not in step.drafted and view is not None:  # forced nodes only: no drafter's
                 self._since_draft[view.request_id] = self._since_draft.get(view.request_id, 0) + 1
         self._grants.update(step.grants)
-        t = self._totals
-        t.steps += 1
-        t.predicted_accepted += predicted
-        t.accepted += accepted
-        t.forced_drafted += sum(count for _, count, _ in step.forced.values())
-        t.forced_accepted += forced_accepted
+        deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
+                                        forced_drafted=sum(count for _, count, _ in step.forced.values()),
+                                        forced_accepted=forced_accepted)
         if step.shape is not None and step.predicted_seconds is not None:
             forward_seconds = max(seconds - step.propose_seconds, 1e-6)
             self.controller.learn(step.shape, forward_seconds)
-            t.cost_predicted_seconds += step.predicted_seconds
-            t.cost_actual_seconds += forward_seconds
-            t.cost_abs_error_seconds += abs(step.predicted_seconds - forward_seconds)
-            t.cost_steps += 1
+            deltas.update(cost_predicted_seconds=step.predicted_seconds, cost_actual_seconds=forward_seconds,
+                          cost_abs_error_seconds=abs(step.predicted_seconds - forward_seconds), cost_steps=1)
+        self._totals = self._totals.plus(**deltas)
 
     def _learn_forced(self, hits: int, trials: int) -> None:
         """Forced nodes reached this step: `hits` accepted of `trials` tried (the first rejected one
@@ -562,10 +547,8 @@ class Speculator:
                 self._failed("finish")
 
     def stats(self) -> SpeculationStats:
-        return SpeculationStats(
-            **asdict(self._totals), grants=tuple(sorted(self._grants.items())),
-            drafted_with=tuple(sorted(self._drafted_with.items())),
-        )
+        return replace(self._totals, grants=tuple(sorted(self._grants.items())),
+                       drafted_with=tuple(sorted(self._drafted_with.items())))
 
     def _failed(self, stage: str) -> None:
         """The first failure is logged with its traceback, later ones counted; a drafter failing
