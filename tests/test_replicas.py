@@ -237,7 +237,7 @@ def test_pool_offers_a_request_to_the_next_replica_unless_it_is_invalid() -> Non
     is refused at once with its field, not offered to the others."""
     from specserve.errors import InvalidRequestError
     from specserve.server.engine_loop import QueueFullError
-    from specserve.server.replicas import ADMITTED, Refusal
+    from specserve.server.replica import ADMITTED, Refusal
 
     async def run() -> None:
         full, leaving, ok = Refusal("queue_full", "full"), Refusal("shutting_down", "bye"), ADMITTED
@@ -272,7 +272,7 @@ def test_pool_demultiplexes_one_replica_stream_into_groups() -> None:
     """Outputs of several groups arrive mixed in the replica's messages; each stream gets its own,
     in order, and ends at its group's end (with the replica's error, if the group failed)."""
     from specserve.server.engine_loop import GenerationFailed
-    from specserve.server.replicas import ADMITTED, GroupEnd, Refusal
+    from specserve.server.replica import ADMITTED, GroupEnd, Refusal
 
     async def run() -> None:
         replica = ScriptedReplica(ADMITTED)
@@ -296,7 +296,7 @@ def test_pool_client_gone_is_not_a_replica_failure() -> None:
     """A reader cancelled while it waits, its stream closed right after (the order a non-streaming
     handler uses when its client hangs up), aborts the group in the replica and releases its load,
     and the replica stays up; a stream dropped before anyone read it does the same when collected."""
-    from specserve.server.replicas import ADMITTED
+    from specserve.server.replica import ADMITTED
 
     async def run() -> None:
         replica = ScriptedReplica(ADMITTED)
@@ -328,7 +328,7 @@ def test_pool_replica_death_is_503_and_routes_around_it() -> None:
     from ray.exceptions import ActorDiedError
 
     from specserve.server.engine_loop import EngineUnavailable
-    from specserve.server.replicas import ADMITTED
+    from specserve.server.replica import ADMITTED
 
     async def run() -> None:
         dying, other = ScriptedReplica(ADMITTED), ScriptedReplica(ADMITTED)
@@ -352,7 +352,7 @@ def test_replica_streams_every_group_to_its_subscriber_and_aborts_them_when_it_l
     when the subscription ends (its front end went away) the groups still running are aborted."""
     from specserve.entrypoints.engine_args import EngineArgs
     from specserve.server.engine_loop import EngineRequest
-    from specserve.server.replicas import ADMITTED, EngineReplica, GroupEnd
+    from specserve.server.replica import ADMITTED, EngineReplica, GroupEnd
 
     replica = EngineReplica(EngineArgs(model=str(tiny_llama), max_model_len=1024), max_waiting=8)
     aborted: list[str] = []

@@ -125,9 +125,8 @@ def _serve_replicas(a: argparse.Namespace, engine_args: EngineArgs, options: Ser
         raise ValueError("--replicas needs Ray Serve, which is not installed: pip install 'specserve[ray]'")
     from specserve.server.app import build_app
     from specserve.server.guard import ConnectionGuard, fit_to_fd_limit
-    from specserve.server.replicas import (
-        ReplicaOptions, ReplicaPool, ReplicaStartError, connect, deploy_replicas, disconnect,
-    )
+    from specserve.server.replica import ReplicaOptions, ReplicaStartError, connect, deploy_replicas, disconnect
+    from specserve.server.replicas import ReplicaPool
     from specserve.server.routing import Router, RoutingConfig
 
     gpus = a.replica_gpus if a.replica_gpus is not None else (1.0 if engine_args.device.startswith("cuda") else 0.0)

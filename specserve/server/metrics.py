@@ -7,7 +7,7 @@ thread publishes after every pass, so a scrape never touches the engine.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -16,6 +16,9 @@ from prometheus_client.registry import Collector
 from specserve.outputs import RequestOutput
 from specserve.server.engine_loop import EngineSnapshot
 from specserve.speculation.speculator import SpeculationStats
+
+if TYPE_CHECKING:
+    from specserve.server.replicas import ReplicaPool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_STATUSES = ("success", "error", "abort")
@@ -56,6 +59,19 @@ class RouterProtocolCollector(Collector):
         yield info
 
 
+# An engine's gauges, by name after "specserve_" (a replica's after "specserve_replica_"): help, value.
+ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineSnapshot], float]], ...] = (
+    ("num_requests_running", "Requests running in the engine", lambda s: s.stats.num_running),
+    ("num_requests_waiting", "Requests waiting: in the scheduler's queue or submitted to the engine thread",
+     lambda s: s.num_waiting),
+    ("kv_blocks_used", "KV cache blocks held by requests", lambda s: s.stats.kv_blocks_used),
+    ("kv_blocks_total", "KV cache blocks", lambda s: s.stats.kv_blocks_total),
+    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", _kv_usage),
+    ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up, since start",
+     lambda s: s.stats.prefix_cache_hit_rate),
+)
+
+
 class EngineCollector(Collector):
     """Engine gauges and speculation totals from the latest published snapshot."""
 
@@ -65,19 +81,8 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         stats, spec = snap.stats, snap.drafts
-        yield GaugeMetricFamily("specserve_num_requests_running", "Requests running in the engine",
-                                value=stats.num_running)
-        yield GaugeMetricFamily("specserve_num_requests_waiting",
-                                "Requests waiting: in the scheduler's queue or submitted to the engine thread",
-                                value=snap.num_waiting)
-        yield GaugeMetricFamily("specserve_kv_blocks_used", "KV cache blocks held by requests",
-                                value=stats.kv_blocks_used)
-        yield GaugeMetricFamily("specserve_kv_blocks_total", "KV cache blocks", value=stats.kv_blocks_total)
-        yield GaugeMetricFamily("specserve_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)",
-                                value=_kv_usage(snap))
-        yield GaugeMetricFamily("specserve_prefix_cache_hit_rate",
-                                "Prompt tokens found in the prefix cache / prompt tokens looked up",
-                                value=stats.prefix_cache_hit_rate)
+        for name, help_text, value in ENGINE_GAUGES:
+            yield GaugeMetricFamily(f"specserve_{name}", help_text, value=value(snap))
         yield CounterMetricFamily("specserve_num_preemptions", "Requests preempted (to be recomputed)",
                                   value=stats.num_preemptions)
         yield CounterMetricFamily("specserve_spec_draft_tokens", "Draft tokens proposed", value=spec.proposed)
@@ -122,6 +127,47 @@ def _control_metrics(c: SpeculationStats) -> Iterator[Metric]:
     for name, n in c.drafted_with:
         by_drafter.add_metric([name], n)
     yield by_drafter
+
+
+class PoolCollector(Collector):
+    """Per-replica engine gauges (ENGINE_GAUGES, from each replica's latest snapshot) and the
+    router's decisions, for the replicas' front end's /metrics."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool
+        replicas = pool.replicas()
+        up = GaugeMetricFamily("specserve_replica_up", "1 if the replica answers and its engine runs",
+                               labels=["replica"])
+        flight = GaugeMetricFamily("specserve_replica_requests_in_flight", "Engine requests the router has open on "
+                                   "the replica", labels=["replica"])
+        engine = [(GaugeMetricFamily(f"specserve_replica_{name}", f"{help_text}, by replica", labels=["replica"]), value)
+                  for name, help_text, value in ENGINE_GAUGES]
+        restarts = CounterMetricFamily("specserve_replica_restarts", "Times the router saw the replica come back as "
+                                       "a new instance", labels=["replica"])
+        keys = GaugeMetricFamily("specserve_router_prefix_keys", "Prefix keys the router remembers for the replica",
+                                 labels=["replica"])
+        for i, r in enumerate(replicas):
+            up.add_metric([r.name], 1.0 if r.up else 0.0)
+            flight.add_metric([r.name], r.in_flight)
+            restarts.add_metric([r.name], r.restarts)
+            keys.add_metric([r.name], pool.router.keys_held(i))
+            if r.snapshot is not None:
+                for family, value in engine:
+                    family.add_metric([r.name], value(r.snapshot))
+        yield from (up, flight, *(family for family, _ in engine), restarts, keys)
+        decisions = CounterMetricFamily("specserve_router_requests", "Requests routed, by replica and reason "
+                                        "(affinity, overloaded, least-loaded, round-robin)",
+                                        labels=["replica", "reason"])
+        for (i, reason), n in sorted(pool.decisions.items()):
+            decisions.add_metric([replicas[i].name, reason], n)
+        yield decisions
+        yield CounterMetricFamily("specserve_router_prompt_blocks", "Routing blocks of the prompts routed",
+                                  value=pool.prompt_blocks)
+        yield CounterMetricFamily("specserve_router_matched_blocks", "Of those, blocks the chosen replica had been "
+                                  "sent before (by the router's index)", value=pool.matched_blocks)
 
 
 class ServerMetrics:
