@@ -17,8 +17,6 @@ from specserve.sampling_params import SamplingParams
 def make_seq(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None) -> Sequence:
     s = Sequence("r", prompt or [0], params, 0.0, max_total_len=100)
     s.output_token_ids = list(output or [])
-    if params.seed is not None:
-        s.generator = torch.Generator().manual_seed(params.seed)
     return s
 
 

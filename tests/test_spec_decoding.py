@@ -277,6 +277,28 @@ def test_mixed_batch_some_speculate_some_do_not(tiny_llama: Path) -> None:
         assert mixed[i].metrics.speculation.steps > 0
 
 
+def test_a_seeded_requests_drafts_depend_only_on_its_seed_and_positions(tiny_llama: Path, draft_dir: Path) -> None:
+    """A drafter draws a seeded request's draft tokens from generators derived from its seed and
+    each token's position, as the target's noise is (the seed is the request's one random state):
+    asked twice from the same point, it proposes the same tree; another seed, another tree. (EAGLE
+    draws the same way, by position and parent node; it proposes only after target features.)"""
+    from specserve.speculation.drafter import DraftRequest, RequestView
+
+    method = "draft-model"
+    spec = dict(method=method, num_tokens=4, controller="fixed", draft_model=str(draft_dir))
+    llm = LLM(str(tiny_llama), speculative=spec)
+    drafter = llm.engine.speculator.drafters[method]
+    prompt = tuple(random_prompts(1, seed=30)[0])
+
+    def propose(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed)
+        return list(drafter.propose([DraftRequest(RequestView("r", prompt, (), params), 4)])[0].tokens)
+
+    trees = {seed: [propose(seed) for _ in range(3)] for seed in range(6)}
+    assert all(t[0] and t[0] == t[1] == t[2] for t in trees.values()), trees
+    assert len({tuple(t[0]) for t in trees.values()}) > 1, trees
+
+
 def test_no_blocks_leak_after_aborts_with_speculation(tiny_llama: Path, draft_dir: Path) -> None:
     llm = LLM(str(tiny_llama), num_kv_blocks=30, block_size=4,
               speculative=dict(method="draft-model", num_tokens=4, draft_model=str(draft_dir)))

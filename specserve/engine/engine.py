@@ -190,7 +190,7 @@ class LLMEngine:
         """The batch items with room reserved for drafts, as their drafters may see them."""
         return [
             Decode(i, DraftRequest(_view(item.seq), item.draft_budget, tuple(item.seq.block_table),
-                                   item.seq.num_computed_tokens, item.seq.generator), item.seq.grammar)
+                                   item.seq.num_computed_tokens), item.seq.grammar)
             for i, item in enumerate(batch) if item.draft_budget > 0
         ]
 

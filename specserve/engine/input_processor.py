@@ -1,8 +1,9 @@
 """Input processing: a prompt and its sampling parameters become a `Sequence` ready to schedule.
 
 Tokenizes text prompts, checks token ids and lengths against the model's context and the KV cache,
-compiles a structured-output grammar, and seeds the request's random generator. Every failure is
-an InvalidRequestError naming the field. Knows nothing of scheduling or of other requests.
+and compiles a structured-output grammar (a request's seed stays a number: the sampler, verifier
+and drafters derive their draws from it by position). Every failure is an InvalidRequestError
+naming the field. Knows nothing of scheduling or of other requests.
 """
 
 from __future__ import annotations
@@ -46,12 +47,8 @@ class InputProcessor:
                 f"({self.cache_blocks} x {self.block_size} tokens)",
             )
         grammar = self._grammar(params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=time.perf_counter(),
-                        max_total_len=max_total, generator=generator, prompt=text, grammar=grammar)
+                        max_total_len=max_total, prompt=text, grammar=grammar)
 
     def eos_for(self, params: SamplingParams) -> frozenset[int]:
         """The ids that end a request: its stop_token_ids, and the model's unless ignore_eos."""

@@ -1,11 +1,9 @@
-"""Request state: tokens, how many have KV, block table, sampling params, RNG, counters."""
+"""Request state: tokens, how many have KV, block table, sampling params, counters."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
 
 from specserve.outputs import DraftCounters, TokenLogprob
 from specserve.sampling_params import SamplingParams
@@ -25,7 +23,6 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     max_total_len: int  # prompt + max_tokens, capped by the model's context
-    generator: torch.Generator | None = None
     prompt: str | None = None
     grammar: TokenGrammar | None = None  # structured outputs: where the output is in its grammar
 

@@ -35,7 +35,6 @@ class DraftRequest:
     budget: int  # at most this many nodes; 0 means propose nothing
     block_table: tuple[int, ...] = ()  # the target's blocks for this request, covering num_computed + 1 + budget slots
     num_computed: int = 0  # target tokens with K/V in the cache (the root token is the next one)
-    generator: torch.Generator | None = None  # the request's own RNG when it has a seed
 
 
 class Drafter(ABC):

@@ -47,6 +47,20 @@ def _mix(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+# Mixed into a request's seed for its drafters' draws, so that they are independent of the target's noise.
+_DRAFT_SALT = 0x5EED_D4AF_7EA5
+
+
+def draft_generator(seed: int, position: int, stream: int, device: torch.device) -> torch.Generator:
+    """The generator a drafter draws the token at `position` of a request seeded with `seed` from
+    (`stream`: which of several draws at that position, e.g. a tree node's parent): derived from
+    the seed as the target's noise is (the request's one seed form), independent of it, and the
+    same whatever else is in the batch or how the request was scheduled."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_mix(_mix(seed ^ _DRAFT_SALT, stream), position))
+    return gen
+
+
 def position_noise(seed: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
     """Exp(1) noise over the vocabulary for output position `position` of a request seeded with
     `seed`: the same tensor every time it is asked for, whoever asks."""

@@ -24,7 +24,7 @@ import torch
 
 from specserve.model.eagle import EagleHead
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
-from specserve.speculation.sampler import Sampler
+from specserve.speculation.sampler import Sampler, draft_generator
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
@@ -297,7 +297,10 @@ class EagleDrafter(Drafter):
                     w.nodes.append(_Node(int(self.vocab_ids[i]), parent, depth, base + lp, math.exp(lp)))
                 continue
             probs = self._processed(w, parent, logits[row])
-            gen = w.request.generator or self.generator
+            view, seed = w.request.view, w.request.view.params.seed
+            gen = self.generator if seed is None else draft_generator(
+                seed, len(view.prompt_token_ids) + len(view.output_token_ids) + depth - 1, parent + 1,
+                self.generator.device)
             tok = int(torch.multinomial(probs.to(gen.device), 1, generator=gen).item())
             q = float(probs[tok])
             w.nodes.append(_Node(tok, parent, depth, base + math.log(max(q, 1e-30)), q, probs=probs))

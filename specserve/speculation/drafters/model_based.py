@@ -15,7 +15,7 @@ import torch
 
 from specserve.model.forward import Forward, ForwardItem
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
-from specserve.speculation.sampler import Sampler
+from specserve.speculation.sampler import Sampler, draft_generator
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
@@ -83,7 +83,10 @@ class _ChainDrafter(Drafter):
                 tok = int(probs.argmax())
                 out.append((tok, None, float(probs[tok])))
                 continue
-            gen = c.request.generator or self.generator
+            view = c.request.view
+            gen = self.generator if p.seed is None else draft_generator(
+                p.seed, len(view.prompt_token_ids) + len(view.output_token_ids) + len(c.tokens), 0,
+                self.generator.device)
             tok = int(torch.multinomial(probs.to(gen.device), 1, generator=gen).item())
             out.append((tok, probs, float(probs[tok])))
         return out
