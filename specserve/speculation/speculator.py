@@ -91,23 +91,39 @@ class _Drafted:
     predicted: float  # expected accepted nodes
 
 
+@dataclass(eq=False)
+class _Row:
+    """What speculation knows of one batch item this step."""
+
+    view: RequestView | None = None  # a decode offered to the drafters
+    drafted: _Drafted | None = None  # the drafter's share of the tree verified for it
+    forced: tuple[int, int, int] | None = None  # grammar-forced nodes verified: (first, how many, its parent)
+    verdict: Verdict | None = None
+    plain_id: str | None = None  # decoded without a draft: its request id
+    plain_view: RequestView | None = None  # no drafter's tree: what the learning drafters are told
+    top_ids: torch.Tensor | None = None  # the target's top tokens at its rows, for learning drafters
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is not None and self.verdict.error is None
+
+
 @dataclass
 class _Step:
+    """The speculator's record of a step: a row per batch item it saw, by the item's batch index
+    (the engine's index space), and the step's totals."""
+
+    rows: dict[int, _Row] = field(default_factory=dict)
     asked: list[tuple[str, str, bool]] = field(default_factory=list)  # (drafter, request, proposed anything)
-    drafted: dict[int, _Drafted] = field(default_factory=dict)
     grants: list[int] = field(default_factory=list)
     shape: StepShape | None = None
     predicted_seconds: float | None = None
     propose_seconds: float = 0.0
-    verdicts: dict[int, Verdict] = field(default_factory=dict)
-    views: dict[int, RequestView] = field(default_factory=dict)  # the decodes' views, from propose
-    plain_ids: dict[int, str] = field(default_factory=dict)  # items that decoded without a draft
-    plain_views: dict[int, RequestView] = field(default_factory=dict)
-    top_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
-    # index -> (its first forced node, how many, that node's parent): grammar-forced nodes verified
-    forced: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def row(self, index: int) -> _Row:
+        return self.rows.setdefault(index, _Row())
 
 
 class Speculator:
@@ -160,7 +176,7 @@ class Speculator:
     def propose(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> dict[int, DraftTree]:
         """Draft trees for the decodes worth drafting for, keyed by batch index. `base` is the
         step's shape without drafts; `sampling_rows` the items that emit a token."""
-        self._step = _Step(shape=base, views={d.index: d.request.view for d in decodes})
+        self._step = _Step(shape=base, rows={d.index: _Row(view=d.request.view) for d in decodes})
         self._open = True
         decodes = [d for d in decodes if d.request.budget > 0]
         if not self.enabled or not decodes:
@@ -176,7 +192,7 @@ class Speculator:
             return self._select(decodes, names, proposed, forced_from, base, sampling_rows)
         except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
             logger.exception("speculation failed while proposing; the step decodes plainly")
-            self._step = _Step(shape=base, views=self._step.views)
+            self._step = _Step(shape=base, rows={i: _Row(view=r.view) for i, r in self._step.rows.items()})
             return {}
 
     def _choose(self, request: DraftRequest) -> str:
@@ -347,12 +363,12 @@ class Speculator:
             start = forced_from.get(i, len(proposed[i]))
             mine = sum(1 for n in kept if n < start)  # kept in index order: the drafter's nodes come first
             if mine:
-                step.drafted[index] = _Drafted(
+                step.row(index).drafted = _Drafted(
                     names[i], decodes[i].request.view, tree.truncated(mine),
                     sum(values[i][n] for n in kept if n < start),
                 )
             if mine < k:
-                step.forced[index] = (mine, k - mine, tree.parents[mine])
+                step.row(index).forced = (mine, k - mine, tree.parents[mine])
         step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
         step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended)
         step.predicted_seconds = self.controller.predict(step.shape)
@@ -376,8 +392,10 @@ class Speculator:
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 logger.exception("verification failed for request %s", it.row.request_id)
                 verdicts[it.index] = failed(f"internal error: {type(e).__name__}: {e}")
-        self._step.verdicts = verdicts
-        self._step.plain_ids = {it.index: it.row.request_id for it in plain}
+        for index, verdict in verdicts.items():
+            self._step.row(index).verdict = verdict
+        for it in plain:
+            self._step.row(it.index).plain_id = it.row.request_id
         self._keep_top_ids(items, logits)
         return verdicts
 
@@ -417,7 +435,7 @@ class Speculator:
         """The drafters that learn from the target's rows this step: those that drafted this step
         or lately, and now and then the others (learning costs a top-k over every row's logits)."""
         step = self._step
-        now = {d.name for d in step.drafted.values()}
+        now = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
         return frozenset(
             name for name, d in self.drafters.items() if d.target_topk > 0 and (
                 name in now or self._step_no - self._used_at.get(name, -(1 << 30)) < self.explore_every
@@ -434,15 +452,13 @@ class Speculator:
         top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices.cpu()
         for it in items:
             start, count = it.rows
-            self._step.top_ids[it.index] = top[start : start + count]
-            if it.index not in self._step.drafted:  # no drafter's tree (maybe a grammar's forced nodes)
+            r = self._step.row(it.index)
+            r.top_ids = top[start : start + count]
+            if r.drafted is None:  # no drafter's tree (maybe a grammar's forced nodes)
                 row = it.row
-                view = self._step.views.get(it.index)
-                if view is None:  # not a decode offered to drafters (a prefill's first token)
-                    view = RequestView(
-                        row.request_id, tuple(row.prompt_token_ids), tuple(row.output_token_ids), row.params
-                    )
-                self._step.plain_views[it.index] = view
+                r.plain_view = r.view or RequestView(  # else not a decode offered to drafters (a prefill's first token)
+                    row.request_id, tuple(row.prompt_token_ids), tuple(row.output_token_ids), row.params
+                )
 
     # -- observe -------------------------------------------------------------------------------
     def observe(self, seconds: float) -> None:
@@ -466,38 +482,34 @@ class Speculator:
             a.observe_proposal(name, rid, proposed)
         predicted = 0.0
         accepted = 0
-        for index, d in step.drafted.items():
-            verdict = step.verdicts.get(index)
-            if verdict is None or verdict.error is not None:
-                continue
-            rid = d.view.request_id
-            mine = [n for n in verdict.accepted if n < len(d.tree)]  # forced nodes follow the drafter's
-            a.observe(d.name, rid, d.tree, mine)
-            predicted += d.predicted
-            accepted += len(mine)
-            self._since_draft[rid] = 0
-            self._drafted_with[d.name] += 1
-            self._used_at[d.name] = self._step_no
-            self._tell_drafters(d.view, d.name, d.tree, step.top_ids.get(index), step.learners)
-        for index, view in step.plain_views.items():
-            verdict = step.verdicts.get(index)
-            if verdict is not None and verdict.error is None:
-                self._tell_drafters(view, None, EMPTY_TREE, step.top_ids.get(index), step.learners)
-        for index, rid in step.plain_ids.items():
-            self._since_draft[rid] = self._since_draft.get(rid, 0) + 1
         forced_accepted = 0
-        for index, (first, count, parent) in step.forced.items():
-            verdict = step.verdicts.get(index)
-            if verdict is not None and verdict.error is None and (parent < 0 or parent in verdict.accepted):
-                hits = sum(1 for n in verdict.accepted if n >= first)
-                forced_accepted += hits
-                self._learn_forced(hits, hits + (hits < count))
-            view = step.views.get(index)
-            if index not in step.drafted and view is not None:  # forced nodes only: no drafter's
-                self._since_draft[view.request_id] = self._since_draft.get(view.request_id, 0) + 1
+        for r in step.rows.values():
+            d = r.drafted
+            if d is not None and r.ok:
+                rid = d.view.request_id
+                mine = [n for n in r.verdict.accepted if n < len(d.tree)]  # type: ignore[union-attr]  # forced nodes follow
+                a.observe(d.name, rid, d.tree, mine)
+                predicted += d.predicted
+                accepted += len(mine)
+                self._since_draft[rid] = 0
+                self._drafted_with[d.name] += 1
+                self._used_at[d.name] = self._step_no
+                self._tell_drafters(d.view, d.name, d.tree, r.top_ids, step.learners)
+            if r.plain_view is not None and r.ok:
+                self._tell_drafters(r.plain_view, None, EMPTY_TREE, r.top_ids, step.learners)
+            if r.plain_id is not None:
+                self._since_draft[r.plain_id] = self._since_draft.get(r.plain_id, 0) + 1
+            if r.forced is not None:
+                first, count, parent = r.forced
+                if r.ok and (parent < 0 or parent in r.verdict.accepted):  # type: ignore[union-attr]
+                    hits = sum(1 for n in r.verdict.accepted if n >= first)  # type: ignore[union-attr]
+                    forced_accepted += hits
+                    self._learn_forced(hits, hits + (hits < count))
+                if d is None and r.view is not None:  # forced nodes only: no drafter's
+                    self._since_draft[r.view.request_id] = self._since_draft.get(r.view.request_id, 0) + 1
         self._grants.update(step.grants)
         deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
-                                        forced_drafted=sum(count for _, count, _ in step.forced.values()),
+                                        forced_drafted=sum(r.forced[1] for r in step.rows.values() if r.forced),
                                         forced_accepted=forced_accepted)
         if step.shape is not None and step.predicted_seconds is not None:
             forward_seconds = max(seconds - step.propose_seconds, 1e-6)
