@@ -92,6 +92,47 @@ class _Drafted:
 
 
 @dataclass(eq=False)
+class _Offer:
+    """A decode on its way through propose: the drafter chosen for it, the nodes granted, the tree
+    proposed (pruned by its grammar, then extended by what the grammar forces next)."""
+
+    decode: Decode
+    name: str  # the drafter: chosen before drafting, then the one whose tree was kept
+    grant: int = 0
+    tree: DraftTree = EMPTY_TREE
+    forced_from: int | None = None  # the first grammar-forced node of `tree`, if any
+    rank: int | None = None  # when its drafter's tree came back (the controller is asked in that order)
+
+    @property
+    def request(self) -> DraftRequest:
+        return self.decode.request
+
+    @property
+    def rid(self) -> str:
+        return self.decode.request.view.request_id
+
+    @property
+    def first_forced(self) -> int:
+        return len(self.tree) if self.forced_from is None else self.forced_from
+
+    def constrain(self) -> None:
+        """Without the nodes the request's grammar forbids; then, within the room the scheduler
+        reserved, extended after its main path by what the grammar forces next. A forced node is
+        the grammar's spelling of text the output must contain: verified like any draft (the model
+        may spell the text otherwise), valued at the measured rate forced nodes are accepted."""
+        grammar = self.decode.grammar
+        if grammar is None:
+            return
+        self.tree = prune(self.tree, grammar)
+        if not len(self.tree):
+            self.rank = None  # nothing of its drafter's left: a grammar-only tree, asked after those
+        extended, count = extend_forced(self.tree, grammar, self.request.budget)
+        if count:
+            self.forced_from = len(self.tree)
+            self.tree = extended
+
+
+@dataclass(eq=False)
 class _Row:
     """What speculation knows of one batch item this step."""
 
@@ -184,12 +225,12 @@ class Speculator:
             return {}
         self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
         try:
-            names = [self._choose(d.request) for d in decodes]
-            grants = self._grant(decodes, names, base, sampling_rows)
-            proposed = self._run_drafters(decodes, names, grants)
-            proposed = self._grammatical(decodes, proposed)
-            forced_from = self._force(decodes, proposed)
-            return self._select(decodes, names, proposed, forced_from, base, sampling_rows)
+            offers = [_Offer(d, self._choose(d.request)) for d in decodes]
+            self._grant(offers, base, sampling_rows)
+            self._run_drafters(offers)
+            for o in offers:
+                o.constrain()
+            return self._select(offers, base, sampling_rows)
         except Exception:  # noqa: BLE001 - drafts are optional: this step decodes plainly
             logger.exception("speculation failed while proposing; the step decodes plainly")
             self._step = _Step(shape=base, rows={i: _Row(view=r.view) for i, r in self._step.rows.items()})
@@ -207,29 +248,27 @@ class Speculator:
 
         return max(self._active, key=worth)
 
-    def _grant(self, decodes: list[Decode], names: list[str], base: StepShape, rows: int) -> list[int]:
+    def _grant(self, offers: list[_Offer], base: StepShape, rows: int) -> None:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
         drafter's own time; now and then one node for a request given none, to keep measuring."""
         a = self.acceptance
         asking_all = sum(self._propose_cost.get(n, 0.0) for n in self._lookups())  # see _run_drafters
         candidates = []
-        for d, name in zip(decodes, names):
-            rid = d.request.view.request_id
-            chance = a.proposes(name, rid)
-            values = tuple(chance * v for v in a.chain_values(name, rid, d.request.budget))
-            cost = asking_all if self._asks_all(name) else self._propose_cost.get(name, 0.0)
-            context = d.request.num_computed + 1
-            if self._active[name].runs_a_model:
+        for o in offers:
+            chance = a.proposes(o.name, o.rid)
+            values = tuple(chance * v for v in a.chain_values(o.name, o.rid, o.request.budget))
+            cost = asking_all if self._asks_all(o.name) else self._propose_cost.get(o.name, 0.0)
+            context = o.request.num_computed + 1
+            if self._active[o.name].runs_a_model:
                 candidates.append(Candidate(values, node_cost=cost, context=context))
             else:
                 candidates.append(Candidate(values, fixed_cost=cost, context=context))
-        grants = list(self.controller.select(base, rows, candidates).counts)
-        for i, (d, name) in enumerate(zip(decodes, names)):
-            if grants[i] == 0 and self._exploring(d.request.view.request_id, name):
+        for o, count in zip(offers, self.controller.select(base, rows, candidates).counts):
+            o.grant = count
+            if count == 0 and self._exploring(o.rid, o.name):
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
-                grants[i] = 1 if self._active[name].runs_a_model else d.request.budget
-        return grants
+                o.grant = 1 if self._active[o.name].runs_a_model else o.request.budget
 
     def _exploring(self, request_id: str, name: str) -> bool:
         """Whether this step drafts for the request although the estimates say it does not pay:
@@ -244,81 +283,54 @@ class Speculator:
         """Whether a request granted nodes by `name` is asked of every lookup drafter (`auto`)."""
         return not self._active[name].runs_a_model and len(self._lookups()) > 1
 
-    def _run_drafters(self, decodes: list[Decode], names: list[str], grants: list[int]) -> dict[int, DraftTree]:
-        """Each drafter proposes for the requests it was chosen for and granted nodes; by position.
-        With several lookup drafters (`auto`), a request granted nodes by a lookup is asked of every
-        lookup (each costs tens of microseconds) and keeps the tree its drafters' measured acceptance
-        values most; `names` is updated to the drafter whose tree is kept."""
-        asked: dict[str, list[int]] = {}
-        for i, name in enumerate(names):
-            if grants[i] <= 0:
+    def _run_drafters(self, offers: list[_Offer]) -> None:
+        """Each drafter proposes for the requests it was chosen for and granted nodes. With several
+        lookup drafters (`auto`), a request granted nodes by a lookup is asked of every lookup (each
+        costs tens of microseconds) and keeps the tree its drafters' measured acceptance values most;
+        the offer's drafter becomes the one whose tree is kept."""
+        asked: dict[str, list[_Offer]] = {}
+        for o in offers:
+            if o.grant <= 0:
                 continue
-            for n in (self._lookups() if self._asks_all(name) else [name]):
-                asked.setdefault(n, []).append(i)
-        trees: dict[int, list[tuple[str, DraftTree]]] = {}
+            for n in (self._lookups() if self._asks_all(o.name) else [o.name]):
+                asked.setdefault(n, []).append(o)
+        trees: dict[int, list[tuple[str, DraftTree]]] = {}  # by id of the offer
         for name, group in asked.items():
             drafter = self._active[name]
-            requests = [replace(decodes[i].request, budget=grants[i]) for i in group]
+            requests = [replace(o.request, budget=o.grant) for o in group]
             start = time.perf_counter()
             try:
                 proposed = drafter.propose(requests)
             except Exception:  # noqa: BLE001 - drafts are optional: these requests decode plainly
                 self._failed("propose")
-                for i in group:  # so that `auto` stops choosing a drafter that cannot propose
-                    self._step.asked.append((name, decodes[i].request.view.request_id, False))
+                for o in group:  # so that `auto` stops choosing a drafter that cannot propose
+                    self._step.asked.append((name, o.rid, False))
                 continue
             seconds = time.perf_counter() - start
             self._step.propose_seconds += seconds
             self._failures = 0
-            units = max(grants[i] for i in group) if drafter.runs_a_model else len(group)
+            units = max(o.grant for o in group) if drafter.runs_a_model else len(group)
             old = self._propose_cost.get(name)
             per = seconds / units
             self._propose_cost[name] = per if old is None else 0.8 * old + 0.2 * per
-            for i, tree in zip(group, proposed):
-                tree = tree.truncated(grants[i])
-                self._step.asked.append((name, decodes[i].request.view.request_id, len(tree) > 0))
+            for o, tree in zip(group, proposed):
+                tree = tree.truncated(o.grant)
+                self._step.asked.append((name, o.rid, len(tree) > 0))
                 if len(tree) > 0:
-                    trees.setdefault(i, []).append((name, tree))
-        out: dict[int, DraftTree] = {}
-        for i, options in trees.items():
-            rid = decodes[i].request.view.request_id
-            names[i], out[i] = max(options, key=lambda o: sum(self.acceptance.node_values(o[0], rid, o[1])))
-        return out
+                    trees.setdefault(id(o), []).append((name, tree))
+        by_id = {id(o): o for o in offers}
+        for rank, (key, options) in enumerate(trees.items()):
+            o = by_id[key]
+            o.name, o.tree = max(options, key=lambda opt: sum(self.acceptance.node_values(opt[0], o.rid, opt[1])))
+            o.rank = rank
 
-    @staticmethod
-    def _grammatical(decodes: list[Decode], proposed: dict[int, DraftTree]) -> dict[int, DraftTree]:
-        """The proposed trees without the nodes their requests' grammars forbid."""
-        out = {}
-        for i, tree in proposed.items():
-            grammar = decodes[i].grammar
-            tree = tree if grammar is None else prune(tree, grammar)
-            if len(tree):
-                out[i] = tree
-        return out
-
-    def _force(self, decodes: list[Decode], proposed: dict[int, DraftTree]) -> dict[int, int]:
-        """Extends each constrained request's proposed tree (or an empty one) with what its grammar
-        forces next, after the main path, within the room the scheduler reserved. Returns, per
-        extended request, the index of its first forced node. A forced node is the grammar's
-        spelling of text the output must contain: verified like any draft (the model may spell the
-        text otherwise), valued at the measured rate forced nodes are accepted."""
-        first: dict[int, int] = {}
-        for i, d in enumerate(decodes):
-            if d.grammar is None:
-                continue
-            old = proposed.get(i, EMPTY_TREE)
-            new, count = extend_forced(old, d.grammar, d.request.budget)
-            if count:
-                proposed[i] = new
-                first[i] = len(old)
-        return first
-
-    def _values(self, name: str, request_id: str, tree: DraftTree, forced_from: int) -> list[float]:
+    def _values(self, o: _Offer) -> list[float]:
         """The chance each node is accepted: the drafter's nodes by its measured acceptance, forced
         nodes (from `forced_from` on: a chain off the main path's end) by the forced-node rate."""
-        v = self.acceptance.node_values(name, request_id, tree.truncated(forced_from)) if forced_from else []
-        for n in range(forced_from, len(tree)):
-            parent = tree.parents[n]
+        first = o.first_forced
+        v = self.acceptance.node_values(o.name, o.rid, o.tree.truncated(first)) if first else []
+        for n in range(first, len(o.tree)):
+            parent = o.tree.parents[n]
             v.append((1.0 if parent < 0 else v[parent]) * self._forced_rate)
         return v
 
@@ -327,49 +339,41 @@ class Speculator:
         hits, trials = self._forced
         return hits / trials
 
-    def _select(
-        self, decodes: list[Decode], names: list[str], proposed: dict[int, DraftTree], forced_from: dict[int, int],
-        base: StepShape, rows: int,
-    ) -> dict[int, DraftTree]:
-        """Of the proposed nodes (the drafters' and, from `forced_from[i]` on, grammar-forced ones),
+    def _select(self, offered: list[_Offer], base: StepShape, rows: int) -> dict[int, DraftTree]:
+        """Of the proposed nodes (the drafters' and, from `first_forced` on, grammar-forced ones),
         the ones worth verifying (drafting time is spent by now)."""
-        order: dict[int, list[int]] = {}
-        values: dict[int, list[float]] = {}
-        for i, tree in proposed.items():
-            v = self._values(names[i], decodes[i].request.view.request_id, tree, forced_from.get(i, len(tree)))
-            # Highest value first; a child never beats its parent, so parents stay first.
-            order[i] = sorted(range(len(tree)), key=lambda n: (-v[n], n))
-            values[i] = v
-        keys = list(proposed)
+        # Drafters' trees in the order they came back, then trees of grammar-forced nodes only, in
+        # batch order: the controller's selection may depend on the order it is asked in.
+        offers = sorted((o for o in offered if len(o.tree)), key=lambda o: (o.rank is None, o.rank or 0))
+        values = [self._values(o) for o in offers]
+        # Highest value first; a child never beats its parent, so parents stay first.
+        orders = [sorted(range(len(o.tree)), key=lambda n, v=v: (-v[n], n)) for o, v in zip(offers, values)]
         sel = self.controller.select(base, rows, [
-            Candidate(tuple(values[i][n] for n in order[i]), context=decodes[i].request.num_computed + 1) for i in keys
+            Candidate(tuple(v[n] for n in order), context=o.request.num_computed + 1)
+            for o, v, order in zip(offers, values, orders)
         ])
         drafts: dict[int, DraftTree] = {}
         kept_tokens = 0
         attended = 0
         step = self._step
-        for i, k in zip(keys, sel.counts):
-            rid = decodes[i].request.view.request_id
-            if k == 0 and (self._since_draft.get(rid, 0) + 1) % self.explore_every == 0:
+        for o, v, order, k in zip(offers, values, orders, sel.counts):
+            if k == 0 and (self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0:
                 k = 1  # now and then one node is verified whatever the estimate, so it can recover
             if k == 0:
                 continue
-            kept = order[i][:k]
-            tree = proposed[i].keep(kept)
-            index = decodes[i].index
+            kept = order[:k]
+            tree = o.tree.keep(kept)
+            index = o.decode.index
             drafts[index] = tree
             kept_tokens += k
-            attended += k * (decodes[i].request.num_computed + 1 + k)
-            start = forced_from.get(i, len(proposed[i]))
-            mine = sum(1 for n in kept if n < start)  # kept in index order: the drafter's nodes come first
+            attended += k * (o.request.num_computed + 1 + k)
+            mine = sum(1 for n in kept if n < o.first_forced)  # kept in index order: the drafter's nodes come first
             if mine:
-                step.row(index).drafted = _Drafted(
-                    names[i], decodes[i].request.view, tree.truncated(mine),
-                    sum(values[i][n] for n in kept if n < start),
-                )
+                step.row(index).drafted = _Drafted(o.name, o.request.view, tree.truncated(mine),
+                                                   sum(v[n] for n in kept if n < o.first_forced))
             if mine < k:
                 step.row(index).forced = (mine, k - mine, tree.parents[mine])
-        step.grants = [len(drafts.get(d.index, EMPTY_TREE)) for d in decodes]
+        step.grants = [len(drafts.get(o.decode.index, EMPTY_TREE)) for o in offered]
         step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended)
         step.predicted_seconds = self.controller.predict(step.shape)
         return drafts
