@@ -101,8 +101,8 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
-        self.inputs = InputProcessor(tokenizer, model.config.vocab_size, config.max_model_len, self.blocks.num_blocks,
-                                     cache.block_size, self.eos_token_ids, self.device)
+        self.inputs = InputProcessor(tokenizer, model.config.vocab_size, config.max_model_len, self.blocks,
+                                     self.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
 

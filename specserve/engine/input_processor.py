@@ -11,8 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
+from specserve.engine.block_manager import BlockManager
 from specserve.engine.sequence import Sequence
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import SamplingParams
@@ -20,15 +19,14 @@ from specserve.structured import GrammarCompiler, TokenGrammar
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, cache_blocks: int,
-                 block_size: int, eos_token_ids: frozenset[int], device: torch.device) -> None:
+    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, blocks: BlockManager,
+                 eos_token_ids: frozenset[int]) -> None:
+        """blocks: the KV cache, to check that a request fits in it."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.cache_blocks = cache_blocks
-        self.block_size = block_size
+        self.blocks = blocks
         self.eos_token_ids = eos_token_ids
-        self.device = device
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
     def sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
@@ -40,11 +38,11 @@ class InputProcessor:
                 "prompt", f"{len(ids)} tokens leave no room to generate within the context of {limit} tokens"
             )
         max_total = min(len(ids) + params.max_tokens, limit)
-        if -(-max_total // self.block_size) > self.cache_blocks:
+        if self.blocks.blocks_needed(max_total) > self.blocks.num_blocks:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt + max_tokens = {max_total} tokens need more KV blocks than the cache holds "
-                f"({self.cache_blocks} x {self.block_size} tokens)",
+                f"({self.blocks.num_blocks} x {self.blocks.block_size} tokens)",
             )
         grammar = self._grammar(params)
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=time.perf_counter(),

@@ -16,6 +16,11 @@ import torch
 # compiled for. Which of them runs a given weight shape is decided by timing (KernelTuner).
 ISAS = ("generic", "avx2")
 
+# ggml types with a packed layout (csrc/gguf_packed.h): type -> (packed type id, bytes per 256
+# weights of a row); a packed tensor's rows are whole groups of PACK_ROWS.
+PACKED = {12: (112, 148)}  # Q4_K -> Q4_Kx8
+PACK_ROWS = 8
+
 
 class KernelLibraryError(RuntimeError):
     """The compiled operator library is missing or does not load with this PyTorch."""
@@ -56,7 +61,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("specserve::gguf_pack")
     def _(blocks, type, cols):  # type: ignore[no-untyped-def]
-        return blocks.new_empty(blocks.shape[0], cols // 256 * 148)
+        return blocks.new_empty(blocks.shape[0], cols // 256 * PACKED[type][1])
 
     @torch.library.register_fake("specserve::gguf_round_activations")
     def _(x, block):  # type: ignore[no-untyped-def]

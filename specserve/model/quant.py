@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.model.ops import PACK_ROWS, PACKED
+
 logger = logging.getLogger("specserve.model")
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
@@ -389,15 +391,8 @@ class _GGUFLinearDesc(ctypes.Structure):  # ops.cpp: SpecserveGgufLinear
                 ("bias", ctypes.c_void_p), ("parts", _GGUFPart * 4)]
 
 
-# ggml types with a packed layout (csrc/gguf_packed.h): type -> (packed type id, bytes per 256
-# weights of a row); a packed tensor's rows are whole groups of PACK_ROWS.
-PACKED = {12: (112, 148)}  # Q4_K -> Q4_Kx8
-PACK_ROWS = 8
-
-
 def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
     from specserve.model.gguf_file import GGML_TYPES
-
     packed = {pid: size for pid, size in PACKED.values()}
     elems, size = (256, packed[type_id]) if type_id in packed else GGML_TYPES[type_id][1:]
     return blocks.shape[1] // size * elems
