@@ -7,9 +7,11 @@ would fetch a PyTorch of its own: for a CPU machine, a multi-GB CUDA build):
     pip install torch==2.13.0            # or the build you want
     pip install --no-build-isolation -e .
 
-Each instruction-set variant of the quantized kernels (qgemm_<isa>.cpp) is compiled with its own
-flags; the library picks among those the CPU runs, by measurement (specserve.model.gguf_ops).
-Never -march=native: the build must run on any CPU of its architecture.
+Each instruction-set variant of the kernels (qgemm_<isa>.cpp for the GGUF products, cpu_kernels_<isa>.c
+for the rest: attention, the layer's small operations, float32/int8/int4 products, the layer loop) is
+compiled with its own flags; the library runs the variants the CPU supports, and which of those runs a
+projection is chosen by measurement (specserve.model.tuning). Never -march=native: the build must
+run on any CPU of its architecture.
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ except ImportError:
 CSRC = os.path.join("specserve", "csrc")
 COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
-HEADERS = ("gguf_blocks.h", "gguf_packed.h", "qgemm.h")
+HEADERS = ("gguf_blocks.h", "gguf_packed.h", "qgemm.h", "ops.h", "cpu_kernels.h", "cpu_kernels_table.h",
+           "vec_exp.h", "gemm_small.c", "paged_attention.c", "layer_ops.c", "decoder.c")
+CXX = ["-std=c++17"]
+C = ["-std=gnu11", "-fopenmp"]  # the C kernels' loops are OpenMP regions (PyTorch's libgomp runs them)
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 
 # Sources compiled apart from ops.cpp, each with its flags: the instruction-set variants (a variant's
 # macro tells ops.cpp it was built) and the portable repacking.
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"), []),
-                                         (os.path.join(CSRC, "gguf_pack.cpp"), [])]
+VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"), CXX),
+                                         (os.path.join(CSRC, "gguf_pack.cpp"), CXX),
+                                         (os.path.join(CSRC, "cpu_kernels_generic.c"), C)]
 if X86:
-    VARIANTS.append((os.path.join(CSRC, "qgemm_avx2.cpp"), ["-mavx2", "-mfma", "-mf16c"]))
+    VARIANTS += [(os.path.join(CSRC, "qgemm_avx2.cpp"), CXX + AVX2), (os.path.join(CSRC, "cpu_kernels_avx2.c"), C + AVX2)]
 DEFINES = [("SPECSERVE_HAVE_AVX2", "1")] if X86 else []
 
 
@@ -54,7 +61,7 @@ class Build(BuildExtension):
             for source, flags in VARIANTS:
                 objects += self.compiler.compile(
                     [source], output_dir=self.build_temp, include_dirs=[CSRC],
-                    extra_postargs=["-std=c++17", "-fPIC", *COMMON, *flags],
+                    extra_postargs=["-fPIC", *COMMON, *flags],
                     depends=[os.path.join(CSRC, h) for h in HEADERS],
                 )
             ext.extra_objects = objects
@@ -65,7 +72,7 @@ setup(
     ext_modules=[
         CppExtension(
             "specserve._C",
-            [os.path.join(CSRC, "ops.cpp")],
+            [os.path.join(CSRC, "ops.cpp"), os.path.join(CSRC, "kernel_ops.cpp")],
             include_dirs=[CSRC],
             define_macros=DEFINES,
             # at::parallel_for is an OpenMP region compiled into this library (the runtime is PyTorch's libgomp)

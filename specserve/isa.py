@@ -28,7 +28,15 @@ CAPS = ("AVX512_CORE_BF16", "AVX512_CORE", "AVX2")
 _PROBE = "import torch; a = torch.ones(64, 64, dtype=torch.bfloat16); float((a @ a).sum())"
 
 
-def _cpuinfo() -> tuple[str, frozenset[str]]:
+def cache_root() -> Path:
+    """Where specserve keeps what it computes once per machine ($SPECSERVE_CACHE, else
+    ~/.cache/specserve): kernel choices, converted GGUF tokenizers, this probe's outcome."""
+    base = os.environ.get("SPECSERVE_CACHE")
+    return Path(base) if base else Path.home() / ".cache" / "specserve"
+
+
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and flags, as /proc/cpuinfo reports them (empty where it cannot be read)."""
     model, flags = "", frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -63,10 +71,10 @@ def _probe(env_cap: str | None) -> int:
 def safe_isa_cap(cache_dir: Path | None = None) -> str | None:
     """The oneDNN ISA cap this machine needs for bfloat16 matmuls to run (None: none needed, or
     nothing helps: then `bf16_works()` is False). Probes only where AMX is advertised."""
-    model, flags = _cpuinfo()
+    model, flags = cpu_info()
     if not (flags & AMX_FLAGS):
         return None
-    cache_dir = cache_dir or Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+    cache_dir = cache_dir or cache_root()
     key = hashlib.sha256(f"{model}|{' '.join(sorted(flags))}|{_torch_version()}".encode()).hexdigest()[:16]
     path = cache_dir / "isa-probe.json"
     try:

@@ -620,7 +620,7 @@ def test_weight_bytes_counts_every_kernel_layout() -> None:
 
     from specserve.bench.throughput import _weight_bytes
     from specserve.model.llama import Linear
-    from specserve.model.quant import NativeInt4Kernel, OneDnnKernel, native_available, quantize_int4
+    from specserve.model.quant import NativeInt4Kernel, OneDnnKernel, quantize_int4
 
     model = nn.ModuleList([Linear(64, 32), Linear(64, 32), Linear(64, 32)])
     for m in model:
@@ -630,6 +630,5 @@ def test_weight_bytes_counts_every_kernel_layout() -> None:
     if OneDnnKernel.supported(model[0].weight):
         model[0].kernel = OneDnnKernel(model[0].weight.detach(), None)
         assert _weight_bytes(model) == want  # the blocked copy replaces the dense one in the count
-    if native_available():
-        model[1].kernel = NativeInt4Kernel(quantize_int4(model[1].weight.detach()), None)
-        assert _weight_bytes(model) < want
+    model[1].kernel = NativeInt4Kernel(quantize_int4(model[1].weight.detach()), None)
+    assert _weight_bytes(model) < want

@@ -12,13 +12,13 @@ from specserve import isa
 
 
 def test_no_probe_without_amx_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(isa, "_cpuinfo", lambda: ("Some CPU", frozenset({"avx2", "fma"})))
+    monkeypatch.setattr(isa, "cpu_info", lambda: ("Some CPU", frozenset({"avx2", "fma"})))
     monkeypatch.setattr(isa, "_probe", lambda cap: pytest.fail("probed a CPU without AMX flags"))
     assert isa.safe_isa_cap(tmp_path) is None
 
 
 def test_amx_that_dies_is_capped_and_the_result_cached(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(isa, "_cpuinfo", lambda: ("Xeon", frozenset({"avx512f", "amx_bf16", "amx_tile"})))
+    monkeypatch.setattr(isa, "cpu_info", lambda: ("Xeon", frozenset({"avx512f", "amx_bf16", "amx_tile"})))
     tried: list[str | None] = []
 
     def probe(cap: str | None) -> int:
@@ -33,7 +33,7 @@ def test_amx_that_dies_is_capped_and_the_result_cached(monkeypatch: pytest.Monke
 
 
 def test_working_amx_is_left_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(isa, "_cpuinfo", lambda: ("Xeon", frozenset({"amx_bf16"})))
+    monkeypatch.setattr(isa, "cpu_info", lambda: ("Xeon", frozenset({"amx_bf16"})))
     monkeypatch.setattr(isa, "_probe", lambda cap: 0)
     assert isa.safe_isa_cap(tmp_path) is None
 

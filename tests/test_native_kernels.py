@@ -1,7 +1,8 @@
-"""The native CPU kernels compute what their PyTorch references compute: attention over the paged
-cache (decodes, chunks over a cached prefix, draft trees, across block boundaries, float32 and
-bfloat16 caches), the quantized and float projections (both the few-rows and the many-rows path),
-the native layer loop, and the GGUF int4 blocks taken as they are."""
+"""The native CPU kernels (torch.ops.specserve.*, every instruction-set variant this CPU runs)
+compute what their PyTorch references compute: attention over the paged cache (decodes, chunks over
+a cached prefix, draft trees, across block boundaries, float32 and bfloat16 caches), the quantized
+and float projections (both the few-rows and the many-rows path), the native layer loop, and the
+GGUF int4 blocks taken as they are; and they refuse arguments they would read outside of."""
 
 from __future__ import annotations
 
@@ -12,18 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
+from specserve.model import ops
 from specserve.model.attention.base import AttentionBatch
 from specserve.model.attention.cpu_paged import CpuPagedBackend
 from specserve.model.attention.sdpa import SdpaBackend
 from specserve.model.tuning import KernelTuner
 from specserve.model.quant import (
-    NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, _native, native_available, quantize_int4, quantize_int8,
+    NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, quantize_int4, quantize_int8,
 )
 
 from conftest import random_prompts
 
-pytestmark = pytest.mark.skipif(not native_available() or not CpuPagedBackend.available(),
-                                reason="no C compiler for the native kernels")
+ISAS = ops.runnable_isas()  # the compiled variants this CPU runs: each is tested
+
+
+def _on(kernel, isa: str):  # type: ignore[no-untyped-def]
+    """The kernel (a projection or the attention backend) run by variant `isa`."""
+    if isinstance(kernel, CpuPagedBackend):
+        kernel._isa = ops.isa_id(isa)
+    else:
+        kernel.isa = ops.isa_id(isa)
+    return kernel
 
 H, KVH, D, BS, NB = 6, 2, 32, 8, 256
 
@@ -58,14 +68,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype) -> None:
+def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype, isa: str) -> None:
     """Every new token attends to exactly what the reference says (its cached prefix, then its
     causal or tree-ancestor new tokens), from blocks scattered over the cache; the caches end up
     holding the same K/V."""
     batch, q, k, v, kc, vc = _batch(CASES[case], dtype)
-    ref_backend, backend = SdpaBackend(H, KVH, D), CpuPagedBackend(H, KVH, D)
+    ref_backend, backend = SdpaBackend(H, KVH, D), _on(CpuPagedBackend(H, KVH, D), isa)
     kc2, vc2 = kc.clone(), vc.clone()
     # the reference reads the cache in its own dtype: compare against the K/V as the cache holds them
     want = ref_backend.forward(q, k.to(dtype).float(), v.to(dtype).float(), kc, vc, ref_backend.plan(batch, q.device))
@@ -77,10 +88,11 @@ def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype) -> No
         assert err < 1e-5, (case, i, err)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("cached", [1, 7, 40, 61, 200, 333, 517])
 def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
-    cached: int, dtype: torch.dtype
+    cached: int, dtype: torch.dtype, isa: str
 ) -> None:
     """A query row attending to the same keys gets bit for bit the same output as a decode alone,
     a decode among others, the last row of a prefill chunk, and a draft-tree node whose sibling
@@ -90,7 +102,7 @@ def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
     ctx = cached + 2  # the row sees `cached` keys, then its parent, then itself
     keys, values = torch.randn(ctx, KVH, D, generator=g), torch.randn(ctx, KVH, D, generator=g)
     q_row = torch.randn(1, H, D, generator=g)
-    backend = CpuPagedBackend(H, KVH, D)
+    backend = _on(CpuPagedBackend(H, KVH, D), isa)
 
     def attend(items: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
         """items: (cached keys, new queries, new keys, new values, tree mask); each item's cached
@@ -129,14 +141,13 @@ def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
         assert torch.equal(got, alone), name
 
 
-def _fake_quant(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
-    _native().fake_quant_q8(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
-    return out
+def _fake_quant(x: torch.Tensor, isa: str) -> torch.Tensor:
+    return torch.ops.specserve.int8_round_activations(x, ops.isa_id(isa))
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17, 70])
-def test_projection_kernels_compute_their_definition(rows: int) -> None:
+def test_projection_kernels_compute_their_definition(rows: int, isa: str) -> None:
     """w4a8 / w8a8 equal the float product of the dequantized weights with the activations
     rounded through int8 per block of 32; float32 equals F.linear."""
     g = torch.Generator().manual_seed(rows)
@@ -144,15 +155,16 @@ def test_projection_kernels_compute_their_definition(rows: int) -> None:
     bias = torch.randn(72, generator=g)
     x = torch.randn(rows, 96, generator=g)
     q4, q8 = quantize_int4(w), quantize_int8(w)
-    want4 = F.linear(_fake_quant(x), q4.dequantize(), bias)
-    want8 = F.linear(_fake_quant(x), q8.dequantize(), bias)
+    want4 = F.linear(_fake_quant(x, isa), q4.dequantize(), bias)
+    want8 = F.linear(_fake_quant(x, isa), q8.dequantize(), bias)
     for kernel, want in ((NativeInt4Kernel(q4, bias), want4), (NativeInt8Kernel(q8, bias), want8),
                          (NativeF32Kernel(w, bias), F.linear(x, w, bias))):
-        torch.testing.assert_close(kernel(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_on(kernel, isa)(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("k", [96, 608])  # an even and an odd number of groups of 32
-def test_projection_kernels_are_batch_invariant(k: int) -> None:
+def test_projection_kernels_are_batch_invariant(k: int, isa: str) -> None:
     """A row's output is bit for bit the same whatever else is in the batch (1..70 rows, every
     row-tile shape of the kernels): speculation, chunked prefill and preemption change batches,
     and the next layer's int8 rounding would turn a last-bit difference into a different token."""
@@ -162,6 +174,7 @@ def test_projection_kernels_are_batch_invariant(k: int) -> None:
     x = torch.randn(70, k, generator=g)
     for kernel in (NativeInt4Kernel(quantize_int4(w), bias), NativeInt8Kernel(quantize_int8(w), bias),
                    NativeF32Kernel(w, bias)):
+        _on(kernel, isa)
         alone = torch.cat([kernel(x[i : i + 1]) for i in range(len(x))])
         for rows in range(2, len(x) + 1):
             assert torch.equal(kernel(x[:rows]), alone[:rows]), (type(kernel).__name__, rows)
@@ -241,8 +254,6 @@ def test_float32_rows_are_batch_invariant_bit_for_bit(tiny_llama: Path) -> None:
     """float32 on the CPU runs only row-invariant kernels (the native one; F.linear and oneDNN block
     by the number of rows): every prompt's logprobs are the same bits generated alone and with three
     others, so greedy speculation and batching leave float32 output token for token unchanged."""
-    if not native_available():
-        pytest.skip("no C compiler: no native kernels")
     llm = LLM(str(tiny_llama), quantization="none")
     model = llm.engine.model
     assert all(isinstance(m.kernel, NativeF32Kernel) for _, m in model.named_modules() if hasattr(m, "kernel"))
@@ -254,3 +265,41 @@ def test_float32_rows_are_batch_invariant_bit_for_bit(tiny_llama: Path) -> None:
         assert alone.token_ids == out.token_ids
         assert [lp.logprob for lp in alone.logprobs] == [lp.logprob for lp in out.logprobs]
         assert [lp.top for lp in alone.logprobs] == [lp.top for lp in out.logprobs]
+
+
+def test_operators_refuse_what_they_would_read_outside_of() -> None:
+    """The kernels take raw pointers; their operators check first, and say which argument is wrong."""
+    isa = ops.layer_isa()
+    x, w = torch.randn(3, 64), torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        torch.ops.specserve.linear_f32(x[:, :32], w, None, isa)
+    with pytest.raises(RuntimeError, match="bias has 7 values for 8 outputs"):
+        torch.ops.specserve.linear_f32(x, w, torch.zeros(7), isa)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D Float"):
+        torch.ops.specserve.linear_f32(x, w.double(), None, isa)
+    with pytest.raises(RuntimeError, match="kernel variant 9 cannot run"):
+        torch.ops.specserve.rms_norm(x, torch.ones(64), 1e-6, 9)
+    batch, q, k, v, kc, vc = _batch(CASES["decodes"], torch.float32)
+    backend = CpuPagedBackend(H, KVH, D)
+    meta = backend.plan(batch, q.device)
+    bad = meta.tables.clone()
+    bad[0] = NB  # one past the cache
+    with pytest.raises(RuntimeError, match=f"names block {NB} of a cache of {NB}"):
+        torch.ops.specserve.paged_attention(q, kc, vc, meta.q_start, meta.q_len, meta.ctx_len, bad, meta.table_off,
+                                            meta.masks, meta.mask_off, 1.0, isa)
+    with pytest.raises(RuntimeError, match="is outside the cache"):
+        torch.ops.specserve.write_kv(k, v, kc, vc, torch.full((len(k),), NB * BS), isa)
+    decoder = torch.classes.specserve.Decoder(64, 128, 4, 2, 16, 1e-6, isa)
+    layer = decoder.add_layer(torch.ones(64), torch.ones(64), torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16))
+    with pytest.raises(RuntimeError, match=r"weight \[64, 64\] for \[128, 64\]"):
+        decoder.set_linear(layer, 0, 0, [torch.randn(64, 64)], [], None, isa)
+    with pytest.raises(RuntimeError, match="layer 0 lacks a projection"):
+        torch.ops.specserve.decoder_forward(decoder, torch.randn(1, 64), 1, torch.ones(1, 16), torch.zeros(1, 16),
+                                            torch.zeros(1, dtype=torch.int64), *_items(), 1.0)
+
+
+def _items() -> list[torch.Tensor]:
+    """One decode item's attention metadata (q_start .. mask_off) over block 0."""
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    return [i32([0]), i32([1]), i32([1]), i32([0]), i32([0]), torch.zeros(1, dtype=torch.uint8),
+            torch.tensor([-1])]

@@ -8,6 +8,7 @@
 //   gguf_round_activations(x, block)             x as the integer kernels see it (tests)
 //   gguf_pack(blocks, type, cols)                Q4_K rows repacked eight at a time (gguf_packed.h)
 //   cpu_isas()                                   the kernel variants this CPU can run (bit i: ISAS[i])
+// (kernel_ops.cpp adds the layer's other kernels and the native layer loop.)
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -20,15 +21,10 @@
 
 #include "gguf_blocks.h"
 #include "gguf_packed.h"
+#include "ops.h"
 #include "qgemm.h"
 
 namespace specserve {
-namespace {
-
-// Variant ids, as the Python side names them (specserve.model.gguf_ops.ISAS).
-enum Isa : int64_t { kGeneric = 0, kAvx2 = 1 };
-
-constexpr size_t kMaxParts = 4;
 
 bool isa_runs(int64_t isa) {
     switch (isa) {
@@ -41,6 +37,8 @@ bool isa_runs(int64_t isa) {
     }
 }
 
+namespace {
+
 GemmFn gemm_fn(int64_t isa) {
     switch (isa) {
 #if defined(__x86_64__) && defined(SPECSERVE_HAVE_AVX2)
@@ -52,7 +50,7 @@ GemmFn gemm_fn(int64_t isa) {
 
 int64_t cpu_isas() {
     int64_t mask = 0;
-    for (int64_t i = 0; i < 2; i++)
+    for (int64_t i = 0; i < kIsaCount; i++)
         if (isa_runs(i)) mask |= int64_t(1) << i;
     return mask;
 }
@@ -97,17 +95,8 @@ Rounded round_activations(const at::Tensor& x, bool k, bool b) {
     return r;
 }
 
-// One weight tensor of a (possibly fused) projection.
-struct LinearPart {
-    const uint8_t* w;
-    int64_t row_bytes;
-    int64_t rows;
-    int64_t type;
-};
+}  // namespace
 
-// y[M, sum rows] = x[M, K] times the parts stacked along the output (+ bias): the activations
-// rounded once per type family, then chunks of output columns of every part taken dynamically by
-// the threads (parts of different types cost different time per column).
 void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M, int64_t K, float* y,
                  const float* bias, int64_t isa) {
     bool need_k = false, need_b = false;
@@ -169,11 +158,13 @@ void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M
     });
 }
 
+namespace {
+
 at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                        const std::optional<at::Tensor>& bias, int64_t isa) {
     TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
                 "gguf_linear: x must be a 2-D float32 CPU tensor, got ", x_in.scalar_type(), " ", x_in.sizes());
-    TORCH_CHECK(!weights.empty() && weights.size() == types.size() && weights.size() <= kMaxParts,
+    TORCH_CHECK(!weights.empty() && weights.size() == types.size() && weights.size() <= (size_t)kMaxParts,
                 "gguf_linear: ", weights.size(), " weight tensors and ", types.size(), " types (1 to ", kMaxParts, ")");
     TORCH_CHECK(isa_runs(isa), "gguf_linear: kernel variant ", isa, " cannot run on this CPU");
     const at::Tensor x = x_in.contiguous();
@@ -294,23 +285,6 @@ at::Tensor gguf_round_activations(const at::Tensor& x_in, int64_t block) {
 
 }  // namespace
 }  // namespace specserve
-
-// For the native layer loop (specserve/model/csrc/decoder.c), which runs every layer of a step in
-// one call: the same product as gguf_linear, from a description the Python side fills (its layout
-// is mirrored by specserve.model.quant.GGUFLinearKernel.native) with arguments already checked.
-extern "C" {
-struct SpecserveGgufLinear {
-    int64_t n_parts, isa, K;
-    const float* bias;
-    specserve::LinearPart parts[4];
-};
-
-int specserve_gguf_linear(const void* desc, const float* x, int M, float* y) {
-    const SpecserveGgufLinear* d = (const SpecserveGgufLinear*)desc;
-    specserve::linear_core(d->parts, (int)d->n_parts, x, M, d->K, y, d->bias, d->isa);
-    return 0;
-}
-}
 
 TORCH_LIBRARY(specserve, m) {
     m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int isa) -> Tensor");

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.isa import cache_root
 from specserve.model.gguf_file import GGUFError, GGUFFile, QUANTIZED, StringArray
 from specserve.model.quant import KernelFactory, gguf_candidates
 
@@ -69,16 +70,12 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf)
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
-
-
 def gguf_tokenizer_dir(path: Path) -> Path:
     """A directory with the file's tokenizer (converted by transformers, once per file: about 20 s
     for a 150k vocabulary; later starts read the cached conversion) and its config.json."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:tok2".encode()).hexdigest()[:16]
-    target = _cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
+    target = cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
     from transformers import AutoTokenizer

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_ops.contiguous_f32(x) and cpu_ops.available():
+        if x.dim() == 2 and cpu_ops.contiguous_f32(x):
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
@@ -124,7 +124,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        native_rope = cpu_ops.fits(qkv) and cpu_ops.available()
+        native_rope = cpu_ops.fits(qkv)
         if native_rope:  # q and k rotated in place: one call instead of a dozen tensor operations
             cpu_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -148,7 +148,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.dim() == 2 and cpu_ops.contiguous_f32(gate_up) and cpu_ops.available():
+        if gate_up.dim() == 2 and cpu_ops.contiguous_f32(gate_up):
             return self.down_proj(cpu_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -207,8 +207,7 @@ class LlamaForCausalLM(nn.Module):
         native = self._native(kv_caches, x)
         meta = attn.native_metadata() if native is not None else None
         if native is not None and meta is not None:  # a small step: every layer in one native call
-            block_size = kv_caches[0][0].shape[1]
-            x = native(x, n, rope[0], rope[1], meta, attn.backend.scale, block_size)
+            x = native(x, n, rope[0], rope[1], meta, attn.backend.scale)
         else:
             for layer, kv in zip(self.layers[:n], kv_caches):
                 x = layer(x, rope, kv, attn)

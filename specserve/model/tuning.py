@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specserve.model.native import cache_root, cpu_flags
+from specserve.isa import cache_root, cpu_info
 from specserve.model.quant import KernelFactory
 
 logger = logging.getLogger("specserve.model")
@@ -33,15 +33,9 @@ def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         hw = torch.cuda.get_device_name(device)
     else:
-        model = platform.processor()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+        name, cpu_flags = cpu_info()
+        model = name or platform.processor()
+        flags = hashlib.sha256(" ".join(sorted(cpu_flags)).encode()).hexdigest()[:8]
         hw = f"{model}/{flags}/{torch.get_num_threads()}t"
     return f"{hw}|torch {torch.__version__}"
 

@@ -1,5 +1,5 @@
 """Attention backends: `sdpa` (reference: torch SDPA over gathered blocks, any device) and
-`cpu-paged` (reads blocks in place, a native kernel built at first use)."""
+`cpu-paged` (reads blocks in place: torch.ops.specserve.paged_attention, built at install)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ def in_place_attention(name: str, device: torch.device, kv_dtype: torch.dtype) -
 
     if name == "cpu-paged":
         return True
-    return (name == "auto" and device.type == "cpu" and kv_dtype in CpuPagedBackend.KV_DTYPES
-            and CpuPagedBackend.available())
+    return name == "auto" and device.type == "cpu" and kv_dtype in CpuPagedBackend.KV_DTYPES
 
 
 def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """The backend `name` for this device and KV cache dtype; "auto" takes the in-place CPU
-    kernel where it can be built (float32 or bfloat16 caches), else SDPA."""
+    kernel on the CPU (float32 or bfloat16 caches), else SDPA."""
     from specserve.model.attention.cpu_paged import CpuPagedBackend
     from specserve.model.attention.sdpa import SdpaBackend
 

@@ -9,29 +9,12 @@ another order of sums, and chunking or preemption would then change a sequence's
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from specserve.model import cpu_ops, native
+from specserve.model import cpu_ops, ops
 from specserve.model.attention.base import AttentionBackend, AttentionBatch, write_kv
-
-_I32 = ctypes.POINTER(ctypes.c_int32)
-
-
-def _kernels() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
-    lib = native.load("paged_attention").library
-    if lib is None:
-        return None
-    out = {}
-    for dtype, fn in ((torch.float32, lib.paged_attention_f32), (torch.bfloat16, lib.paged_attention_bf16)):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [
-            ctypes.c_float, ctypes.c_int64]
-        out[dtype] = fn
-    return out
-
 
 @dataclass(frozen=True)
 class PagedMetadata:
@@ -52,14 +35,8 @@ class CpuPagedBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        kernels = _kernels()
-        if kernels is None:
-            raise RuntimeError(f"attention backend {self.name}: {native.load('paged_attention').reason}")
-        self._kernels = kernels
-
-    @staticmethod
-    def available() -> bool:
-        return native.load("paged_attention").library is not None
+        ops.load()
+        self._isa = ops.layer_isa()
 
     def plan(self, batch: AttentionBatch, device: torch.device) -> PagedMetadata:
         q_start, q_len, ctx_len, table_off, mask_off = [], [], [], [], []
@@ -103,23 +80,15 @@ class CpuPagedBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: PagedMetadata,
     ) -> torch.Tensor:
-        if cpu_ops.fits(k, v) and k.stride(0) == v.stride(0) and cpu_ops.available():
+        if k_cache.dtype not in self.KV_DTYPES:
+            raise TypeError(f"attention backend {self.name}: no kernel for a {k_cache.dtype} KV cache")
+        if cpu_ops.fits(k, v) and k.stride(0) == v.stride(0) and k.stride(1) == k.shape[2] == v.stride(1):
             cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] else (
             q.float().contiguous())
-        out = torch.empty(q.shape, dtype=torch.float32)
-        if meta.n_items:
-            kernel = self._kernels.get(k_cache.dtype)
-            if kernel is None:
-                raise TypeError(f"attention backend {self.name}: no kernel for a {k_cache.dtype} KV cache")
-            rc = kernel(
-                q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), meta.n_items,
-                meta.q_start.data_ptr(), meta.q_len.data_ptr(), meta.ctx_len.data_ptr(), meta.tables.data_ptr(),
-                meta.table_off.data_ptr(), meta.masks.data_ptr(), meta.mask_off.data_ptr(),
-                self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], self.scale, q32.stride(0),
-            )
-            if rc != 0:
-                raise RuntimeError(f"attention backend {self.name}: kernel rejected the shapes (code {rc})")
+        out = torch.ops.specserve.paged_attention(
+            q32, k_cache, v_cache, meta.q_start, meta.q_len, meta.ctx_len, meta.tables, meta.table_off, meta.masks,
+            meta.mask_off, self.scale, self._isa)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,7 +1,7 @@
 /* Small CPU operations around attention, so a decode step is a few native calls per layer
  * instead of a dozen tensor operations: writing new K/V into the paged cache, and the rotary
  * embedding in place. Rows of k/v/x are `ld` floats apart (they may be views of fused q/k/v).
- * Built by specserve.model.native. */
+ * Compiled into the operator library once per instruction-set variant (cpu_kernels_<isa>.c). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -17,7 +17,7 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-void write_kv_f32(const float *k, const float *v, int64_t ld, float *k_cache, float *v_cache, const int64_t *slots,
+static void write_kv_f32(const float *k, const float *v, int64_t ld, float *k_cache, float *v_cache, const int64_t *slots,
                   int T, int row) {
     for (int t = 0; t < T; t++) {
         memcpy(k_cache + slots[t] * row, k + (int64_t)t * ld, sizeof(float) * row);
@@ -25,7 +25,7 @@ void write_kv_f32(const float *k, const float *v, int64_t ld, float *k_cache, fl
     }
 }
 
-void write_kv_bf16(const float *k, const float *v, int64_t ld, uint16_t *k_cache, uint16_t *v_cache,
+static void write_kv_bf16(const float *k, const float *v, int64_t ld, uint16_t *k_cache, uint16_t *v_cache,
                    const int64_t *slots, int T, int row) {
     for (int t = 0; t < T; t++)
         for (int j = 0; j < row; j++) {
@@ -37,7 +37,7 @@ void write_kv_bf16(const float *k, const float *v, int64_t ld, uint16_t *k_cache
 /* Rotary embedding in place on the first n_heads heads of each row of x ([T, row_stride]
  * floats; head h at offset h * D), rotate-half layout: (a, b) -> (a cos - b sin, b cos + a sin)
  * with cos/sin [T, D] (the table rows for each token's position; both halves equal). */
-void rope_inplace(float *x, int T, int row_stride, int n_heads, int D, const float *cos, const float *sin) {
+static void rope_inplace(float *x, int T, int row_stride, int n_heads, int D, const float *cos, const float *sin) {
     const int half = D / 2;
     for (int t = 0; t < T; t++) {
         const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
@@ -53,7 +53,7 @@ void rope_inplace(float *x, int T, int row_stride, int n_heads, int D, const flo
 }
 
 /* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, rows of D floats (x and y may be the same). */
-void rms_norm(const float *x, const float *w, float *y, int T, int D, float eps) {
+static void rms_norm(const float *x, const float *w, float *y, int T, int D, float eps) {
     for (int t = 0; t < T; t++) {
         const float *xr = x + (int64_t)t * D;
         float *yr = y + (int64_t)t * D;
@@ -65,7 +65,7 @@ void rms_norm(const float *x, const float *w, float *y, int T, int D, float eps)
 }
 
 /* out[t, j] = silu(gu[t, j]) * gu[t, I + j]: the gated activation on a fused gate/up output. */
-void silu_mul(const float *gu, float *out, int T, int I) {
+static void silu_mul(const float *gu, float *out, int T, int I) {
     /* rows split across threads for a prefill (each element's value is the same either way) */
 #pragma omp parallel for schedule(static) if ((int64_t)T * I >= 65536)
     for (int t = 0; t < T; t++) {

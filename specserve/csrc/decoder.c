@@ -7,32 +7,13 @@
  *                    a = attention(q, cache); x += a Wo;
  *                    h = rms_norm(x); x += silu_mul(h Wgu) Wdown
  *
- * with the same kernels the Python path calls (gemm_small.c, paged_attention.c, cpu_ops.c), so
- * its numbers are that path's numbers.
+ * with the same kernels the Python path calls through the operators (gemm_small.c, paged_attention.c,
+ * layer_ops.c, and ops.cpp's GGUF products), so its numbers are that path's numbers.
  */
-#include "cpu_ops.c"
+#include "cpu_kernels.h"
 #include "gemm_small.c"
+#include "layer_ops.c"
 #include "paged_attention.c"
-
-enum { LIN_F32 = 0, LIN_W8A8 = 1, LIN_W4A8 = 2, LIN_EXTERNAL = 3 };
-
-/* A projection computed elsewhere (the GGUF block kernels of specserve/_C): fn(w, x, M, y). */
-typedef int (*external_linear_fn)(const void *ctx, const float *x, int M, float *y);
-
-typedef struct {
-    int32_t kind, n, k, pad;
-    const void *w;        /* f32 [N, K], int8 [N, K], packed int4 [N, K/2], or the external kernel's context */
-    const float *scale;   /* int8: [N]; int4: [N, K/32] */
-    const float *minimum; /* int4: [N, K/32] */
-    const float *bias;    /* [N] or NULL */
-    external_linear_fn fn; /* LIN_EXTERNAL */
-} linear_t;
-
-typedef struct {
-    const float *attn_norm, *mlp_norm;
-    linear_t qkv, o, gate_up, down;
-    void *k_cache, *v_cache;
-} layer_t;
 
 static int run_linear(const linear_t *l, const float *x, int M, float *y) {
     switch (l->kind) {
@@ -45,7 +26,7 @@ static int run_linear(const linear_t *l, const float *x, int M, float *y) {
 }
 
 /* x: [T, hidden] residual stream, updated in place through n_layers layers. */
-int decoder_forward(float *x, int T, int hidden, int intermediate, const layer_t *layers, int n_layers, float eps,
+static int decoder_forward(float *x, int T, int hidden, int intermediate, const layer_t *layers, int n_layers, float eps,
                     int H, int KVH, int D, int BS, int kv_bf16, const float *cos, const float *sin,
                     const int64_t *slots, int n_items, const int32_t *q_start, const int32_t *q_len,
                     const int32_t *ctx_len, const int32_t *tables, const int32_t *table_off, const uint8_t *masks,

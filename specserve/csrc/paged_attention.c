@@ -22,7 +22,7 @@
  *   k_cache, v_cache:   [num_blocks, block_size, KVH, D] float32 or bfloat16
  *   per item i:         q_start[i], q_len[i], ctx_len[i], table_off[i] (into tables),
  *                       mask_off[i] (into masks, a [q_len, q_len] uint8 matrix; -1 = causal)
- * Built by specserve.model.native with -O3 -fopenmp and the ISA flags of the machine.
+ * Compiled into the operator library once per instruction-set variant (cpu_kernels_<isa>.c).
  */
 #include <float.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -337,7 +337,7 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
                                   masks, mask_off, H, KVH, D, BS, scale, ldq, t);                      \
     }                                                                                                 \
                                                                                                       \
-    int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out, int n_items,       \
+    static int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out, int n_items,       \
              const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables, \
              const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,   \
              int D, int BS, float scale, int64_t ldq) {                                               \

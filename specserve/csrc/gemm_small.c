@@ -10,7 +10,8 @@
  *             packed as GGUF's Q4_1 blocks: byte j of a group holds element j in its low nibble
  *             and element j + 16 in its high nibble)
  * Every output row is computed alone, in an order of operations that does not depend on M.
- * Built with AVX2/FMA where the CPU has them (plain C otherwise) by specserve.model.native.
+ * Compiled into the operator library once per instruction-set variant (cpu_kernels_<isa>.c): with
+ * AVX2/FMA intrinsics in the avx2 variant, plain C in the generic one.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -99,7 +100,7 @@ static void rows_times_block(const float *x, int M, int K, const float *w, int64
 
 /* ---- entry points -------------------------------------------------------------------------- */
 
-int gemm_f32(const float *x, int M, int K, const float *W, int N, float *y, const float *bias) {
+static int gemm_f32(const float *x, int M, int K, const float *W, int N, float *y, const float *bias) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n += NR)
         rows_times_block(x, M, K, W + (int64_t)n * K, K, min_int(NR, N - n), y, N, n, bias);
@@ -114,7 +115,7 @@ int gemm_f32(const float *x, int M, int K, const float *W, int N, float *y, cons
  *   int8: sum_j w_j x_j ~ xs * scale[n] * sum_j q_j xq_j
  * Lossier than the float kernels above (the activations lose precision too), and faster. */
 
-int quantize_rows_q8(const float *x, int M, int K, int8_t *xq, float *xs, float *xsum) {
+static int quantize_rows_q8(const float *x, int M, int K, int8_t *xq, float *xs, float *xsum) {
     if (K % 32) return -1;
     const int G = K / 32;
 #pragma omp parallel for schedule(static) if (M >= 16)
@@ -292,7 +293,7 @@ static void i8q8_row(const int8_t *q, int K, const int8_t *xq, const float *xs, 
 #endif
 }
 
-int gemm_i4q8(const int8_t *xq, const float *xs, const float *xsum, int M, int K, const uint8_t *P,
+static int gemm_i4q8(const int8_t *xq, const float *xs, const float *xsum, int M, int K, const uint8_t *P,
               const float *scale, const float *minimum, int N, float *y, const float *bias) {
     if (K % 32) return -1;
     const int G = K / 32;
@@ -309,7 +310,7 @@ int gemm_i4q8(const int8_t *xq, const float *xs, const float *xsum, int M, int K
     return 0;
 }
 
-int gemm_i8q8(const int8_t *xq, const float *xs, int M, int K, const int8_t *Q, const float *scale, int N,
+static int gemm_i8q8(const int8_t *xq, const float *xs, int M, int K, const int8_t *Q, const float *scale, int N,
               float *y, const float *bias) {
     if (K % 32) return -1;
     const int G = K / 32;
@@ -342,7 +343,7 @@ static int q8_rows(const float *x, int M, int K, q8_rows_t *r) {
     return quantize_rows_q8(x, M, K, r->xq, r->xs, r->xsum);
 }
 
-int linear_i4q8(const float *x, int M, int K, const uint8_t *P, const float *scale, const float *minimum, int N,
+static int linear_i4q8(const float *x, int M, int K, const uint8_t *P, const float *scale, const float *minimum, int N,
                 float *y, const float *bias) {
     q8_rows_t r;
     int rc = q8_rows(x, M, K, &r);
@@ -351,7 +352,7 @@ int linear_i4q8(const float *x, int M, int K, const uint8_t *P, const float *sca
     return rc;
 }
 
-int linear_i8q8(const float *x, int M, int K, const int8_t *Q, const float *scale, int N, float *y,
+static int linear_i8q8(const float *x, int M, int K, const int8_t *Q, const float *scale, int N, float *y,
                 const float *bias) {
     q8_rows_t r;
     int rc = q8_rows(x, M, K, &r);
@@ -363,7 +364,7 @@ int linear_i8q8(const float *x, int M, int K, const int8_t *Q, const float *scal
 /* ---- the rounding the integer kernels apply, as floats (x -> xs * xq): tests compare the kernels
  * with a float product of the dequantized weights and these activations. */
 
-void fake_quant_q8(const float *x, int M, int K, float *out) {
+static void fake_quant_q8(const float *x, int M, int K, float *out) {
     q8_rows_t r;
     if (q8_rows(x, M, K, &r) == 0)
         for (int64_t i = 0; i < (int64_t)M * K; i++) out[i] = (float)r.xq[i] * r.xs[i / 32];  /* K % 32 == 0 */
