@@ -1,4 +1,5 @@
-"""Tokenizer loading, chat templates and incremental detokenization."""
+"""Tokenizer loading, chat templates, prompts to token ids (PromptEncoder) and incremental
+detokenization."""
 
 from __future__ import annotations
 
@@ -35,6 +36,66 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[
         raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class PromptEncoder:
+    """Prompts to the token ids an engine is given, and token ids back to text: the tokenizer side of
+    input processing, run in the caller's process (the server's, the pool's), so what crosses to the
+    engine core is data (token ids, sampling parameters). Every failure is an InvalidRequestError
+    naming the field. Not for concurrent use from several threads (a tokenizer's call may change its
+    settings): the server runs it on one thread."""
+
+    def __init__(self, tokenizer: Any | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def tokenize(self, text: str, field: str = "prompt") -> list[int]:
+        """Token ids of `text`, exactly as a text prompt is tokenized for generation."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(field, "this model has no tokenizer; pass token ids instead")
+        return list(self.tokenizer(text).input_ids)
+
+    def prompt(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids: text tokenized, ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            ids = self.tokenize(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt", "tokenizes to zero tokens")
+            return ids
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        self.check_token_ids(ids)
+        return ids
+
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A conversation's token ids through the model's chat template, ending with the assistant's
+        turn prompt."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("messages", "this model has no tokenizer")
+        try:
+            return list(apply_chat_template(self.tokenizer, messages))
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (jinja raise_exception)
+            raise InvalidRequestError("messages", f"the chat template rejected the conversation: {e}") from None
+
+    def decode(self, ids: list[int], field: str = "tokens") -> str:
+        self.check_token_ids(ids, field)
+        if self.tokenizer is None:
+            raise InvalidRequestError(field, "this model has no tokenizer")
+        try:
+            return str(self.tokenizer.decode(ids))
+        except Exception as e:  # noqa: BLE001 - ids the tokenizer does not know
+            raise InvalidRequestError(field, f"cannot decode: {e}") from None
+
+    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
+        """Raise InvalidRequestError naming `field` unless every id is in the vocabulary."""
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
 
 
 class IncrementalDetokenizer:

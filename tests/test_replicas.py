@@ -27,11 +27,17 @@ from specserve.entrypoints.llm import LLM
 from specserve.outputs import DraftCounters
 from specserve.sampling_params import SamplingParams
 from specserve.server.engine_loop import EngineSnapshot, merge_snapshots
-from specserve.server.routing import Router, RoutingConfig, messages_text, prefix_keys
+from specserve.server.routing import Router, RoutingConfig, prefix_keys
 from specserve.speculation.speculator import SpeculationStats
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}  # shared by every conversation
+
+
+def messages_text(messages: list[dict[str, str]]) -> str:
+    """A conversation as text whose prefixes are the text of its earlier turns (as a chat template's
+    token ids are: the router keys either)."""
+    return "".join(json.dumps(m, sort_keys=True) + "\n" for m in messages)
 
 
 def conversation(k: int, turns: int) -> list[dict[str, str]]:
@@ -224,7 +230,7 @@ def scripted_pool(*replicas: ScriptedReplica):  # type: ignore[no-untyped-def]
 
 
 def group_of(rid: str) -> list[types.SimpleNamespace]:
-    return [types.SimpleNamespace(request_id=rid, prompt="hello", params=None)]
+    return [types.SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2, 3], params=None)]
 
 
 REQUEST = group_of("a")
@@ -361,12 +367,13 @@ def test_replica_streams_every_group_to_its_subscriber_and_aborts_them_when_it_l
     inner.abort_request = lambda rid: (aborted.append(rid), abort(rid))[1]  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(str(tiny_llama), max_model_len=1024).generate(["one", "two"], greedy, use_tqdm=False)
+    ids = {text: inner.tokenize(text) for text in ("one", "two", "three")}  # the front end sends token ids
 
     async def run() -> None:
         feed = replica.outputs("front")
         first = asyncio.ensure_future(feed.__anext__())
-        assert await replica.add("front", "g1", [EngineRequest("r1", "one", greedy)]) == ADMITTED
-        assert await replica.add("front", "g2", [EngineRequest("r2", "two", greedy)]) == ADMITTED
+        assert await replica.add("front", "g1", [EngineRequest("r1", ids["one"], greedy)]) == ADMITTED
+        assert await replica.add("front", "g2", [EngineRequest("r2", ids["two"], greedy)]) == ADMITTED
         items, ended = await first, []
         while len(ended) < 2:
             items += await feed.__anext__()
@@ -375,7 +382,7 @@ def test_replica_streams_every_group_to_its_subscriber_and_aborts_them_when_it_l
         assert [last["r1"].text, last["r2"].text] == [w.text for w in want]
         assert sorted(ended) == ["g1", "g2"] and all(i.refusal is None for i in items if isinstance(i, GroupEnd))
         long = SamplingParams(max_tokens=900, ignore_eos=True)
-        assert await replica.add("front", "g3", [EngineRequest("r3", "three", long)]) == ADMITTED
+        assert await replica.add("front", "g3", [EngineRequest("r3", ids["three"], long)]) == ADMITTED
         assert any(i.request_id == "r3" for i in await feed.__anext__())  # running
         await feed.aclose()  # the subscriber is gone
         deadline = time.monotonic() + 1

@@ -481,7 +481,8 @@ def test_aclose_returns_once_the_engine_has_freed_the_blocks(tiny_llama: Path) -
     async def run() -> None:
         engine.start()
         params = SamplingParams(max_tokens=1000, ignore_eos=True)
-        stream = await engine.submit([EngineRequest(f"group-{i}", "go on and on", params) for i in range(8)])
+        prompt = inner.tokenize("go on and on")
+        stream = await engine.submit([EngineRequest(f"group-{i}", prompt, params) for i in range(8)])
         async for _ in stream:
             if engine.snapshot().stats.num_running == 8:
                 break
@@ -513,7 +514,7 @@ def test_stream_dropped_unread_aborts_its_requests(tiny_llama: Path) -> None:
     async def run() -> None:
         engine.start()
         params = SamplingParams(max_tokens=1000, ignore_eos=True)
-        stream = await engine.submit([EngineRequest(rid, "go on and on", params) for rid in ids])
+        stream = await engine.submit([EngineRequest(rid, inner.tokenize("go on and on"), params) for rid in ids])
         await asyncio.sleep(0.1)
         assert engine.snapshot().stats.num_running == 4
         del stream
@@ -659,3 +660,58 @@ def test_building_on_a_passing_thread_leaves_no_openmp_pool(tmp_path: Path) -> N
     before, after_helper, after_direct = map(int, out.stdout.split())
     assert after_helper == before, "the loader thread's OpenMP pool outlived it"
     assert after_direct > before, "premise: a parallel op on this thread keeps worker threads"
+
+
+def test_prompts_are_token_ids_before_they_reach_the_engine(tiny_llama: Path) -> None:
+    """The input boundary: the HTTP layer tokenizes prompts and renders chat templates on its own
+    tokenizer thread, and the engine is handed plain data (token ids and sampling parameters, which
+    pickle as they are, the form they take to Ray replicas); the engine thread never calls the
+    tokenizer to encode. The ids are the engine's own tokenization of the prompt."""
+    import pickle
+    import threading
+
+    import httpx
+
+    from specserve.server.app import ServerOptions, create_app
+    from specserve.server.engine_loop import AsyncEngine
+
+    llm = LLM(str(tiny_llama), max_model_len=1024)
+    tok = llm.tokenizer
+    encoded_on: list[str] = []
+    real_call = type(tok).__call__
+
+    class Recording(type(tok)):  # type: ignore[misc, valid-type]
+        def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            encoded_on.append(threading.current_thread().name)
+            return real_call(self, *args, **kwargs)
+
+    tok.__class__ = Recording
+    submitted: list[bytes] = []
+    real_submit = AsyncEngine.submit
+
+    async def submit(self, requests):  # type: ignore[no-untyped-def]
+        submitted.extend(pickle.dumps(r) for r in requests)
+        return await real_submit(self, requests)
+
+    app = create_app(llm, ServerOptions(served_model_name=MODEL))
+    greedy = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    chat = [{"role": "user", "content": "hello there"}]
+
+    async def run() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                for body in ({**greedy, "prompt": "tell me"}, {**greedy, "messages": chat}):
+                    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+                    res = await client.post(path, json=body)
+                    assert res.status_code == 200, res.text
+
+    AsyncEngine.submit = submit  # type: ignore[method-assign]
+    try:
+        asyncio.run(run())
+    finally:
+        AsyncEngine.submit = real_submit  # type: ignore[method-assign]
+        tok.__class__ = Recording.__mro__[1]
+    requests = [pickle.loads(b) for b in submitted]
+    assert [r.prompt_token_ids for r in requests] == [
+        llm.engine.tokenize("tell me"), apply_chat_template(tok, chat)]
+    assert encoded_on and all(name.startswith("specserve-tokenizer") for name in encoded_on), encoded_on

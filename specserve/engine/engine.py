@@ -226,11 +226,7 @@ class LLMEngine:
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, exactly as a text prompt is tokenized for generation."""
-        return self.inputs.tokenize(text)
-
-    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
-        """Raise InvalidRequestError naming `field` unless every id is in the vocabulary."""
-        self.inputs.check_token_ids(ids, field)
+        return self.inputs.encoder.tokenize(text)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

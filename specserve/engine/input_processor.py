@@ -1,9 +1,11 @@
 """Input processing: a prompt and its sampling parameters become a `Sequence` ready to schedule.
 
-Tokenizes text prompts, checks token ids and lengths against the model's context and the KV cache,
-and compiles a structured-output grammar (a request's seed stays a number: the sampler, verifier
-and drafters derive their draws from it by position). Every failure is an InvalidRequestError
-naming the field. Knows nothing of scheduling or of other requests.
+Text prompts go through the PromptEncoder (the tokenizer side, which a server runs in its own
+process and thread, handing the engine token ids); here token ids and lengths are checked against
+the model's vocabulary, context and KV cache, and a structured-output grammar is compiled (a
+request's seed stays a number: the sampler, verifier and drafters derive their draws from it by
+position). Every failure is an InvalidRequestError naming the field. Knows nothing of scheduling or
+of other requests.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from specserve.engine.sequence import Sequence
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import SamplingParams
 from specserve.structured import GrammarCompiler, TokenGrammar
+from specserve.tokenizer import PromptEncoder
 
 
 class InputProcessor:
@@ -24,6 +27,7 @@ class InputProcessor:
         """blocks: the KV cache, to check that a request fits in it."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.encoder = PromptEncoder(tokenizer, vocab_size)
         self.max_model_len = max_model_len
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
@@ -31,7 +35,8 @@ class InputProcessor:
 
     def sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """The request as a sequence; InvalidRequestError naming the field when it cannot run."""
-        text, ids = self._tokenize(prompt)
+        ids = self.encoder.prompt(prompt)
+        text = prompt if isinstance(prompt, str) else None
         limit = self.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(
@@ -53,18 +58,6 @@ class InputProcessor:
         stops = frozenset(params.stop_token_ids)
         return stops if params.ignore_eos else stops | self.eos_token_ids
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of `text`, exactly as a text prompt is tokenized for generation."""
-        if self.tokenizer is None:
-            raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids instead")
-        return list(self.tokenizer(text).input_ids)
-
-    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
-        """Raise InvalidRequestError naming `field` unless every id is in the vocabulary."""
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(field, f"token ids must be integers in [0, {vocab})")
-
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Compiles structured-output constraints for this model's tokenizer (built when first asked)."""
@@ -80,17 +73,3 @@ class InputProcessor:
         if params.structured_outputs is None:
             return None
         return self.grammar_compiler.compile(params.structured_outputs)
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            ids = self.tokenize(prompt)
-            if not ids:
-                raise InvalidRequestError("prompt", "tokenizes to zero tokens")
-            return prompt, ids
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        self.check_token_ids(ids)
-        return None, ids

@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Sequence, TypeVar
 
 from fastapi import FastAPI
 from prometheus_client.registry import Collector
@@ -25,17 +25,17 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from specserve.engine.engine import LLMEngine
 from specserve.entrypoints.llm import LLM
 from specserve.errors import InvalidRequestError
-from specserve.server.engine_loop import AsyncEngine, EngineClient, EngineError
+from specserve.server.engine_loop import AsyncEngine, EngineClient
 from specserve.server.errors import APIError
 from specserve.server.guard import ConnectionGuard, RequestTracking
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.middleware import AccessMiddleware, AccessPolicy, BodyLimitMiddleware
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from specserve.tokenizer import PromptEncoder
 from specserve.server.serving import (
-    ChatFormat, ChatPrompt, CompletionFormat, GenerationRun, ServingContext, TokenTexts, chat_job, completion_job,
+    ChatFormat, CompletionFormat, GenerationRun, ServingContext, TokenTexts, chat_job, completion_job,
 )
 
 logger = logging.getLogger("specserve.server")
@@ -74,19 +74,6 @@ async def _parse(request: Request, model: type[M]) -> M:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
         raise APIError.from_validation(e) from None
-
-
-def _detokenize(tokens: list[int]) -> Callable[[LLMEngine], str]:
-    def run(engine: LLMEngine) -> str:
-        engine.check_token_ids(tokens, field="tokens")
-        if engine.tokenizer is None:
-            raise InvalidRequestError("tokens", "this model has no tokenizer")
-        try:
-            return str(engine.tokenizer.decode(tokens))
-        except Exception as e:  # noqa: BLE001 - ids the tokenizer does not know
-            raise InvalidRequestError("tokens", f"cannot decode: {e}") from None
-
-    return run
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -155,17 +142,18 @@ def _install_openapi(app: FastAPI) -> None:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the HTTP layer knows of the model: its tokenizer (token texts for logprobs), context
-    length and KV block size (reported to routers in /metrics)."""
+    """What the HTTP layer knows of the model: its tokenizer (prompts to token ids, token texts for
+    logprobs) and vocabulary size, context length and KV block size (reported to routers in /metrics)."""
 
     tokenizer: Any
+    vocab_size: int
     max_model_len: int
     block_size: int
 
     @classmethod
     def of(cls, llm: LLM) -> ServedModel:
         config = llm.engine.config
-        return cls(llm.tokenizer, config.max_model_len, config.cache.block_size)
+        return cls(llm.tokenizer, llm.engine.model.config.vocab_size, config.max_model_len, config.cache.block_size)
 
 
 def create_app(llm: LLM, options: ServerOptions, guard: ConnectionGuard | None = None) -> FastAPI:
@@ -181,8 +169,8 @@ def build_app(engine: EngineClient, model: ServedModel, options: ServerOptions,
     served_model_name = options.served_model_name
     started = int(time.time())
     metrics = ServerMetrics(engine.snapshot, model.block_size, collectors)
-    ctx = ServingContext(engine, metrics, TokenTexts(model.tokenizer), served_model_name,
-                         model.max_model_len, max_choices=options.max_waiting)
+    ctx = ServingContext(engine, metrics, TokenTexts(model.tokenizer), PromptEncoder(model.tokenizer, model.vocab_size),
+                         served_model_name, model.max_model_len, max_choices=options.max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -223,19 +211,13 @@ def build_app(engine: EngineClient, model: ServedModel, options: ServerOptions,
 
     @app.post("/v1/completions", openapi_extra=_body_spec(CompletionRequest))
     async def completions(request: Request) -> Response:
-        job = completion_job(await _parse(request, CompletionRequest), ctx)
+        job = await completion_job(await _parse(request, CompletionRequest), ctx)
         return await GenerationRun(ctx, job, CompletionFormat(ctx.texts)).respond(request)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_spec(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        job = chat_job(await _parse(request, ChatCompletionRequest), ctx)
+        job = await chat_job(await _parse(request, ChatCompletionRequest), ctx)
         return await GenerationRun(ctx, job, ChatFormat(ctx.texts)).respond(request)
-
-    async def on_engine(fn: Callable[[LLMEngine], Any]) -> Any:
-        try:
-            return await engine.call(fn)
-        except EngineError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
 
     @app.post("/v1/tokenize", openapi_extra=_body_spec(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -243,18 +225,16 @@ def build_app(engine: EngineClient, model: ServedModel, options: ServerOptions,
         ctx.check_model(body.model)
         body.check_supported()
         if body.messages is not None:
-            fn: Callable[[LLMEngine], list[int]] = ChatPrompt([m.to_template(i) for i, m in enumerate(body.messages)])
+            tokens = await ctx.encode(ctx.prompts.chat, [m.to_template(i) for i, m in enumerate(body.messages)])
         else:
-            text = body.prompt or ""
-            fn = lambda engine: engine.tokenize(text)  # noqa: E731
-        tokens = await on_engine(fn)
+            tokens = await ctx.encode(ctx.prompts.tokenize, body.prompt or "")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
 
     @app.post("/v1/detokenize", openapi_extra=_body_spec(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await _parse(request, DetokenizeRequest)
         ctx.check_model(body.model)
-        return {"prompt": await on_engine(_detokenize(body.tokens))}
+        return {"prompt": await ctx.encode(ctx.prompts.decode, body.tokens)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

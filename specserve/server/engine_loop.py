@@ -1,7 +1,9 @@
 """`AsyncEngine`: the engine stepping in one background thread, shared by every HTTP request.
 
 The engine is not thread-safe, so everything that touches it (adding, aborting, stepping,
-reading stats, tokenizing prompts) runs on that one thread. The event loop talks to it through
+reading stats) runs on that one thread. Requests arrive as data, token ids and sampling parameters
+(`EngineRequest`): prompts are tokenized and chat templates rendered before, in the server's own
+thread for that (specserve.tokenizer.PromptEncoder), never on the engine's. The event loop talks to it through
 an inbox of commands (a deque plus a `threading.Event` the thread sleeps on when idle); results
 and per-step outputs come back with `loop.call_soon_threadsafe` into asyncio futures and
 per-request queues. After every pass the thread publishes an immutable `EngineSnapshot` for
@@ -31,8 +33,6 @@ logger = logging.getLogger("specserve.server")
 
 T = TypeVar("T")
 
-# A prompt, or a function that makes one on the engine thread (e.g. a chat template: it needs the tokenizer).
-Prompt = str | list[int] | Callable[[LLMEngine], str | list[int]]
 Command = Callable[[LLMEngine], None]
 
 
@@ -84,8 +84,10 @@ def build_on_passing_thread(build: Callable[[], T]) -> T:
 
 @dataclass(frozen=True)
 class EngineRequest:
+    """One request for the engine, as plain data (it crosses to Ray replicas as it is)."""
+
     request_id: str
-    prompt: Prompt
+    prompt_token_ids: list[int]
     params: SamplingParams
 
 
@@ -146,8 +148,6 @@ class EngineClient(Protocol):
     QueueFullError (429), EngineError and its kinds (ServerShuttingDown, EngineUnavailable, ...)."""
 
     async def submit(self, requests: Sequence[EngineRequest]) -> OutputStream: ...
-
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T: ...
 
     def snapshot(self) -> EngineSnapshot: ...
 
@@ -386,21 +386,6 @@ class AsyncEngine:
         self._send(command)
         await reply.future
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps (tokenizing, reading config)."""
-        if not self.alive:
-            raise EngineError("the engine is not running")
-        reply: _Reply[T] = _Reply(self._require_loop())
-
-        def command(engine: LLMEngine) -> None:
-            try:
-                reply.set(fn(engine))
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                reply.set(error=e)
-
-        self._send(command)
-        return await reply.future
-
     def _send(self, command: Command) -> None:
         self._inbox.append(command)
         self._wake.set()
@@ -456,16 +441,9 @@ class AsyncEngine:
     def _add(self, engine: LLMEngine, requests: Sequence[EngineRequest], reply: _Reply[None]) -> None:
         self._carried += len(requests)
         added: list[str] = []
-        rendered: dict[int, str | list[int]] = {}  # a prompt function shared by n choices runs once
         try:
             for r in requests:
-                prompt = r.prompt
-                if callable(prompt):
-                    key = id(prompt)
-                    if key not in rendered:
-                        rendered[key] = prompt(engine)
-                    prompt = rendered[key]
-                engine.add_request(prompt, r.params, r.request_id)
+                engine.add_request(list(r.prompt_token_ids), r.params, r.request_id)
                 added.append(r.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller
             for rid in added:

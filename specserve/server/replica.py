@@ -3,8 +3,10 @@
 Each replica is a Ray Serve application of one deployment with one replica (`EngineReplica`: an
 AsyncEngine over its own model), so Serve places it, health-checks it and restarts it when it
 dies, and the front end can address every replica by name (specserve.server.replicas holds the
-front end's pool). A replica sends its outputs multiplexed: per engine pass, one message with the
-outputs of every group the pool has open on it (`outputs`).
+front end's pool). The front end and a replica exchange data only: requests as token ids and
+sampling parameters (`add`: EngineRequests; the front end tokenized them), aborts by request id,
+outputs (`outputs`: multiplexed, per engine pass one message with the RequestOutputs of every group
+the pool has open on it), state snapshots (`state`) and, once, what the model is (`describe`).
 
 Errors cross the process boundary as `Refusal` values, not pickled exceptions (an exception whose
 constructor takes other arguments than its message does not survive Ray's serialization).
@@ -17,13 +19,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specserve.engine.engine import LLMEngine
 from specserve.entrypoints.engine_args import EngineArgs
 from specserve.entrypoints.llm import LLM
 from specserve.errors import InvalidRequestError
@@ -36,7 +37,6 @@ from specserve.server.engine_loop import (
 
 logger = logging.getLogger("specserve.server")
 
-T = TypeVar("T")
 ADMITTED = "admitted"  # a replica's answer to add(): the requests are in its engine
 
 
@@ -189,12 +189,6 @@ class EngineReplica:
             if box.readers == me:  # not superseded by a newer subscription of the same subscriber
                 box.abort(list(box.groups))
                 self._outboxes.pop(subscriber, None)
-
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T | Refusal:
-        try:
-            return await self._started().call(fn)
-        except Exception as e:  # noqa: BLE001 - handed to the pool
-            return Refusal.of(e)
 
     async def state(self) -> ReplicaState:
         engine = self._started()

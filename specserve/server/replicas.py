@@ -20,33 +20,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 from ray.exceptions import RayTaskError, TaskCancelledError
 from ray.serve.exceptions import RequestCancelledError
 from prometheus_client.registry import Collector
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from specserve.engine.engine import LLMEngine
 from specserve.outputs import RequestOutput
 from specserve.server.engine_loop import (
     EngineRequest, EngineSnapshot, EngineUnavailable, ServerShuttingDown, abort_when_collected, merge_snapshots,
 )
 from specserve.server.metrics import PoolCollector
 from specserve.server.replica import GroupEnd, Refusal, ReplicaState
-from specserve.server.routing import Decision, Router, messages_text
-from specserve.server.serving import ChatPrompt
+from specserve.server.routing import Decision, Router
 
-T = TypeVar("T")
 logger = logging.getLogger("specserve.server")
-
-def _affinity_source(prompt: Any) -> str | list[int] | None:
-    if isinstance(prompt, (str, list)):
-        return prompt
-    if isinstance(prompt, ChatPrompt):
-        return messages_text(prompt.messages)
-    return None
-
 
 class _Replica:
     """The pool's view of one replica."""
@@ -226,14 +215,13 @@ class ReplicaPool:
     handle to a replica being restarted would otherwise wait for it)."""
 
     def __init__(self, names: Sequence[str], handles: Sequence[DeploymentHandle], router: Router,
-                 poll_interval: float = 0.5, admit_timeout: float = 30.0, call_timeout: float = 60.0) -> None:
+                 poll_interval: float = 0.5, admit_timeout: float = 30.0) -> None:
         if len(names) != len(handles) or len(handles) != router.num_replicas:
             raise ValueError("replicas: names, handles and router disagree on the number of replicas")
         self._replicas = [_Replica(n, h) for n, h in zip(names, handles)]
         self._router = router
         self._poll_interval = poll_interval
         self._admit_timeout = admit_timeout
-        self._call_timeout = call_timeout
         self._channels = [_Channel(self, i) for i in range(len(self._replicas))]  # hold the open groups
         self.subscriber = uuid.uuid4().hex  # this pool, to the replicas
         self._poller: asyncio.Task[None] | None = None
@@ -287,7 +275,7 @@ class ReplicaPool:
     async def submit(self, requests: Sequence[EngineRequest]) -> RemoteStream:
         if self._draining:
             raise ServerShuttingDown("the server is shutting down")
-        source = _affinity_source(requests[0].prompt) if requests else None
+        source = requests[0].prompt_token_ids if requests else None
         keys = self._router.keys(source) if source is not None else []
         return await self._admit(requests, keys)
 
@@ -336,23 +324,6 @@ class ReplicaPool:
 
     def _open_leases(self) -> list[_Lease]:
         return [lease for channel in self._channels for lease in channel.leases()]
-
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        usable = [i for i, r in enumerate(self._replicas) if r.up]
-        if not usable:
-            raise EngineUnavailable("no engine replica is available; retry later")
-        i = min(usable, key=lambda k: self._replicas[k].in_flight)
-        replica = self._replicas[i]
-        try:
-            result = await asyncio.wait_for(replica.handle.call.remote(fn), self._call_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            self.lost(i, e)
-            raise EngineUnavailable(f"engine replica {replica.name} is unavailable; retry later") from None
-        if isinstance(result, Refusal):
-            raise result.error(replica.name)
-        return result  # type: ignore[no-any-return]
 
     def _record(self, decision: Decision, keys: Sequence[bytes]) -> None:
         self._router.routed(decision.replica, keys)

@@ -6,17 +6,16 @@ The router cannot see the replicas' caches; it keeps its own index of what it se
 is cut into blocks and each block's key hashes the block and every block before it (so a key
 stands for a whole prefix, as the engine's prefix cache keys its KV blocks). A replica "holds"
 the keys of the prompts routed to it, most recent first, up to a bound; a restarted replica holds
-none. Prompts are keyed by their text or token ids, and chat prompts by their messages: keys need
-only be the same for the same prefix, so the router needs no tokenizer.
+none. Prompts are keyed by their token ids (a chat's, through the template: a conversation's later
+turns extend its earlier turns' ids, as they extend its KV blocks); the router also takes text.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 ROUTING_POLICIES = ("affinity", "round-robin", "least-loaded")
 
@@ -47,11 +46,6 @@ class RoutingConfig:
             raise ValueError(f"balance_abs: must be >= 0, got {self.balance_abs}")
         if self.balance_rel < 0:
             raise ValueError(f"balance_rel: must be >= 0, got {self.balance_rel}")
-
-
-def messages_text(messages: Sequence[dict[str, Any]]) -> str:
-    """A conversation as text whose prefixes are the text of its earlier turns (one JSON line per message)."""
-    return "".join(json.dumps(m, sort_keys=True, ensure_ascii=False) + "\n" for m in messages)
 
 
 def prefix_keys(prompt: str | Sequence[int], config: RoutingConfig) -> list[bytes]:

@@ -9,14 +9,14 @@ import logging
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.engine.engine import LLMEngine
 from specserve.outputs import DraftCounters, TokenLogprob
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput
@@ -27,9 +27,10 @@ from specserve.server.engine_loop import (
 from specserve.server.errors import APIError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from specserve.tokenizer import apply_chat_template
+from specserve.tokenizer import PromptEncoder
 
 logger = logging.getLogger("specserve.server")
+R = TypeVar("R")
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -92,9 +93,17 @@ class ServingContext:
     engine: EngineClient
     metrics: ServerMetrics
     texts: TokenTexts
+    prompts: PromptEncoder  # run through `encode`, on the server's tokenizer thread
     served_model_name: str
     max_model_len: int
     max_choices: int  # engine requests one HTTP request may make (prompts x n): the waiting queue's size
+    # one thread for every prompt to tokenize: off the event loop, and a tokenizer is not for concurrent calls
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tokenizer"))
+
+    async def encode(self, fn: Callable[..., R], *args: Any) -> R:
+        """fn(*args) (a PromptEncoder method) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -428,14 +437,15 @@ def _request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
+async def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
     """Engine requests for a completions body: prompt p's choice i is choice p * n + i."""
     ctx.check_model(body.model)
     try:
         body.check_supported()
-        prompts = body.prompts()
-        ctx.check_choices(len(prompts), body.n)
+        texts = body.prompts()
+        ctx.check_choices(len(texts), body.n)
         params = [body.sampling_params(i) for i in range(body.n)]
+        prompts = [await ctx.encode(ctx.prompts.prompt, p) for p in texts]
     except InvalidRequestError as e:
         raise APIError.invalid(e) from None
     job_id = _request_id("cmpl")
@@ -449,28 +459,7 @@ def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
                body.logprobs is not None, {})
 
 
-class ChatPrompt:
-    """Renders the conversation with the model's chat template, on the engine thread."""
-
-    def __init__(self, messages: list[dict[str, Any]]) -> None:
-        self._messages = messages
-
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        return self._messages
-
-    def __call__(self, engine: LLMEngine) -> list[int]:
-        if engine.tokenizer is None:
-            raise InvalidRequestError("messages", "this model has no tokenizer")
-        try:
-            return list(apply_chat_template(engine.tokenizer, self._messages))
-        except InvalidRequestError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (jinja raise_exception)
-            raise InvalidRequestError("messages", f"the chat template rejected the conversation: {e}") from None
-
-
-def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
+async def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
     ctx.check_model(body.model)
     rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": body.max_tokens_field}
     try:
@@ -478,10 +467,10 @@ def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
         messages = body.template_messages()
         ctx.check_choices(1, body.n)
         params = [body.sampling_params(i, ctx.max_model_len) for i in range(body.n)]
+        prompt = await ctx.encode(ctx.prompts.chat, messages)
     except InvalidRequestError as e:
         raise APIError.invalid(e, rename) from None
     job_id = _request_id("chatcmpl")
-    prompt = ChatPrompt(messages)
     requests = [EngineRequest(f"{job_id}-{i}", prompt, params[i]) for i in range(body.n)]
     return Job(job_id, body.model or ctx.served_model_name, requests, [0] * body.n, body.stream, body.include_usage,
                body.logprobs, rename)
