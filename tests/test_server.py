@@ -97,15 +97,25 @@ def test_completions_greedy_equal_llm_generate(server: Server, llm: LLM) -> None
 
 
 def test_spec_server_is_lossless_and_counts_speculation(spec_server: Server, llm: LLM) -> None:
-    """With --spec ngram, greedy outputs are token for token those of plain decoding, and the
-    speculation counters in /metrics move (drafts proposed and verified)."""
+    """With --spec ngram, greedy outputs are token for token those of plain decoding; the speculation
+    counters in /metrics move (drafts proposed and verified), and each response's usage says what was
+    drafted for it (OpenAI's accepted/rejected prediction tokens, summing to /metrics' drafts)."""
     prompts = [list(b"abcabcabcabc the cat the cat the cat"), *random_prompts(2, seed=12)]
     expected = llm.generate(prompts, greedy(40, ignore_eos=True), use_tqdm=False)
+    before = spec_server.metrics()
+    drafted = accepted = 0
     for prompt, exp in zip(prompts, expected):
         res = spec_server.openai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
                                                     extra_body={"ignore_eos": True})
         assert res.choices[0].text == exp.text
+        details = res.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens < res.usage.completion_tokens
+        accepted += details.accepted_prediction_tokens
+        drafted += details.accepted_prediction_tokens + details.rejected_prediction_tokens
     m = spec_server.metrics()
+    assert drafted == m["specserve_spec_draft_tokens_total"] - before.get("specserve_spec_draft_tokens_total", 0)
+    assert accepted == m["specserve_spec_accepted_tokens_total"] - before.get("specserve_spec_accepted_tokens_total", 0)
+    assert accepted > 0  # the repetitive prompt's drafts were taken
     assert m["specserve_spec_draft_tokens_total"] > 0
     assert m["specserve_spec_verification_steps_total"] > 0
     assert m["specserve_spec_accepted_tokens_total"] >= m.get('specserve_spec_accepted_tokens_by_position_total{position="1"}', 0)
@@ -158,13 +168,16 @@ def test_chat_stream_and_non_stream(server: Server, llm: LLM) -> None:
 
 
 def test_usage_in_streams(server: Server) -> None:
-    """stream_options.include_usage adds a final chunk with empty choices and the same usage as the
-    non-streaming answer; the other chunks carry usage null."""
+    """stream_options.include_usage adds a final chunk with empty choices and the same token counts as
+    the non-streaming answer (what speculation drafted may differ: the controller decides by
+    measured step times); the other chunks carry usage null."""
     kw: dict[str, Any] = dict(model=MODEL, prompt="Count: one two", max_tokens=10, temperature=0, n=2)
     plain = server.openai.completions.create(**kw)
     chunks = list(server.openai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(chunks[-1].usage, k) for k in counts] == [getattr(plain.usage, k) for k in counts]
+    assert chunks[-1].usage.completion_tokens_details is not None
     assert all(c.usage is None for c in chunks[:-1])
     texts = ["", ""]
     for c in chunks[:-1]:

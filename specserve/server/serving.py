@@ -134,11 +134,19 @@ class Job:
     def index_of(self) -> dict[str, int]:
         return {r.request_id: i for i, r in enumerate(self.requests)}
 
-    def usage(self, outs: dict[int, RequestOutput]) -> dict[str, int]:
+    def usage(self, outs: dict[int, RequestOutput]) -> dict[str, Any]:
+        """OpenAI's usage, with what speculation did for these choices in OpenAI's fields for
+        predicted outputs: draft tokens the model accepted (each one a forward pass saved) and draft
+        tokens it rejected (verified for nothing); both 0 when nothing was drafted."""
         prompt_lens = {self.prompt_of[i]: len(o.prompt_token_ids) for i, o in outs.items()}
         prompt = sum(prompt_lens.values())
         completion = sum(len(o.token_ids) for o in outs.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        spec = DraftCounters()
+        for o in outs.values():
+            spec.add(o.metrics.speculation)
+        details = {"accepted_prediction_tokens": spec.accepted, "rejected_prediction_tokens": spec.proposed - spec.accepted}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "completion_tokens_details": details}
 
 
 def _new_logprobs(out: RequestOutput) -> list[TokenLogprob]:
