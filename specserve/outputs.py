@@ -67,6 +67,22 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class TokenDelta:
+    """What one engine step did for a request, at the engine core's boundary: token ids, no text.
+
+    finish_reason: "stop" (an end-of-sequence token, or the grammar complete), "length", "error",
+    or None while it runs; stop strings are text, found by the output processor, which then aborts
+    the request in the core."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]  # one per new token when the request asked for logprobs, else empty
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """A request's state after a step: everything so far plus what is new since the last output."""
 

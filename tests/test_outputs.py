@@ -110,3 +110,31 @@ def test_chat_answers_on_the_bundled_model() -> None:
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ends with <|im_end|>
     assert out.metrics.ttft is not None and out.metrics.ttft >= 0
+
+
+def test_engine_core_gives_token_deltas_and_a_stop_string_ends_the_request_in_it(tiny_llama: Path) -> None:
+    """The core's boundary: token ids in, token deltas out (no text), the same tokens LLM.generate
+    gives. Stop strings are text, found around the core: the text ends at the string, and the core
+    is told at once: nothing of the request runs after that step and its KV blocks are free."""
+    from specserve.outputs import TokenDelta
+
+    llm = LLM(str(tiny_llama))
+    engine = llm.engine
+    prompt = random_prompts(1, seed=21)[0]
+    want = llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0]
+    engine.core.add_request("core", list(prompt), SamplingParams(max_tokens=24, **GREEDY))
+    deltas: list[TokenDelta] = []
+    while engine.core.has_unfinished_requests():
+        deltas += engine.core.step()
+    assert all(isinstance(d, TokenDelta) for d in deltas) and deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.new_token_ids] == want.token_ids
+    stop = next(want.text[i : i + 3] for i in range(6, len(want.text) - 3) if want.text[i : i + 3].strip())
+    engine.add_request(list(prompt), SamplingParams(max_tokens=24, stop=[stop], **GREEDY), request_id="stopped")
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += [o for o in engine.step() if o.request_id == "stopped"]
+        if outs and outs[-1].finished:
+            assert not engine.core.has_unfinished_requests()  # aborted in the core in the same step
+    assert outs[-1].finish_reason == "stop" and outs[-1].text == want.text[: want.text.index(stop)]
+    assert "".join(o.new_text for o in outs) == outs[-1].text
+    assert engine.blocks.num_used_blocks == 0

@@ -1,70 +1,31 @@
-"""The engine: requests in, one step at a time, outputs out.
+"""`LLMEngine`: the engine core with input and output processing around it, in one thread.
 
-    schedule -> propose -> forward -> verify (accept) -> commit -> emit -> observe
+    prompt -> PromptEncoder (token ids) -> EngineCore (token deltas) -> OutputProcessor (RequestOutput)
 
-A step's data is one record (engine/step.py: a row per scheduled sequence). Everything speculative
-(which drafter, how many nodes, verification, learning from the outcome) is behind one
-`Speculator`; with speculation off it only samples. Prompts become sequences in the input
-processor, accepted tokens become outputs in the output processor.
+The core (engine/core.py) takes token ids and sampling parameters and gives token deltas; this
+wrapper tokenizes text prompts before it and turns its deltas into text and outputs after it,
+aborting in the core a request a stop string ended. The offline `LLM` and the server's engine
+thread use it; its attributes (scheduler, blocks, runner, speculator, ...) are the core's.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import time
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from specserve.config import EngineConfig
-from specserve.engine.block_manager import BlockManager
-from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
-from specserve.engine.drafting import DraftBuilder, build_speculator
-from specserve.engine.input_processor import InputProcessor
-from specserve.engine.output_processor import RequestState, append_tokens, error_output, new_output
-from specserve.engine.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.sequence import Sequence
-from specserve.engine.step import StepRow, step_rows
+from specserve.engine.core import EngineCore, EngineStats
+from specserve.engine.drafting import DraftBuilder
+from specserve.engine.output_processor import OutputProcessor
 from specserve.errors import InvalidRequestError
-from specserve.model.attention import make_backend
 from specserve.model.llama import LlamaForCausalLM
-from specserve.outputs import DraftCounters, RequestOutput
+from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.speculation.config import SpeculativeConfig
-from specserve.speculation.controller import StepShape
-from specserve.speculation.drafter import DraftRequest, RequestView
-from specserve.speculation.speculator import Decode, SampleItem, SpeculationStats, Speculator
+from specserve.speculation.speculator import SpeculationStats
 from specserve.structured import GrammarCompiler
 
-logger = logging.getLogger("specserve.engine")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-def _shape(batch: tuple[ScheduledSeq, ...]) -> StepShape:
-    """The step's shape before drafts: its tokens and the context they attend to."""
-    tokens = sum(it.num_new_tokens for it in batch)
-    attended = sum(it.num_new_tokens * (it.seq.num_computed_tokens + it.num_new_tokens) for it in batch)
-    return StepShape(tokens, 0, attended)
-
-
-def _view(seq: Sequence) -> RequestView:
-    return RequestView(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), seq.params)
+__all__ = ["EngineStats", "LLMEngine"]
 
 
 class LLMEngine:
@@ -77,188 +38,60 @@ class LLMEngine:
         draft_builder: DraftBuilder | None = None,
     ) -> None:
         """draft_builder: loads a draft model by name (for the draft-model drafter)."""
-        self.config = config
-        self.speculative_config = spec or SpeculativeConfig()
-        self.model = model
-        self.tokenizer = tokenizer
-        self.device = torch.device(config.device)
-        cache = config.cache
-        kv_dtype = cache.dtype or config.dtype
-        num_blocks = cache.num_blocks or max(
-            1, cache.kv_cache_bytes // kv_bytes_per_block(model, cache.block_size, kv_dtype)
-        )
-        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        kv = allocate_kv_cache(model, num_blocks, cache.block_size, kv_dtype, self.device)
-        cfg = model.config
-        attention = make_backend(config.attention_backend, self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 kv_dtype)
-        self.runner = ModelRunner(model, kv, cache.block_size, self.device, attention)
-        self.speculator: Speculator = build_speculator(self.speculative_config, config, self.runner, tokenizer,
-                                                       draft_builder)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap)
-        self.draft_totals = DraftCounters()
-        eos = set(model.config.eos_token_ids)
-        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-        self.inputs = InputProcessor(tokenizer, model.config.vocab_size, config.max_model_len, self.blocks,
-                                     self.eos_token_ids)
-        self._requests: dict[str, RequestState] = {}
+        self.core = EngineCore(config, model, tokenizer, spec, draft_builder)
+        self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
-    # -- public API ------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
         """Validate and queue a request. Raises InvalidRequestError naming the bad field."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self.outputs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        seq = self.inputs.sequence(request_id, prompt, params)
-        self._requests[request_id] = RequestState.start(seq, self.tokenizer, self.inputs.eos_for(params))
-        self.scheduler.add(seq)
+        ids = self.core.inputs.encoder.prompt(prompt)
+        self.core.add_request(request_id, ids, params)
+        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                         self.core.inputs.eos_for(params))
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req.seq, "abort")
-            self._drafter_finish(req.seq)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        self.core.abort_request(request_id)
+        self.outputs.drop(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: schedule, propose, verify (one forward), accept, commit, emit.
+        """One core step (see EngineCore.step), its deltas as outputs."""
+        outputs, stopped = self.outputs.process(self.core.step())
+        for request_id in stopped:  # a stop string ended it: the core stops computing it
+            self.core.abort_request(request_id)
+        return outputs
 
-        A request whose numbers go wrong (a distribution that is not one) or whose own bookkeeping
-        fails ends alone with finish_reason "error"; the rest of the batch goes on. Speculation's
-        failures cost drafts, never requests. Only a failure of the shared forward pass raises
-        (and then no request has committed anything).
-        """
-        start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.scheduled:
-            return []
-        try:
-            return self._step(batch.scheduled)
-        finally:  # also when the forward raised: the speculator closes the step either way
-            self.speculator.observe(time.perf_counter() - start)
-
-    def _step(self, batch: tuple[ScheduledSeq, ...]) -> list[RequestOutput]:
-        rows = step_rows(batch)
-        drafts = self.speculator.propose(self._decodes(batch), _shape(batch), sum(it.samples for it in batch))
-        out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden)
-        for i, row in enumerate(rows):
-            row.tree, row.logits = drafts.get(i), out.rows[i]
-            row.hidden_offset = out.offsets[i] if out.offsets else 0
-        verdicts = self.speculator.verify(
-            [SampleItem(i, row.seq, row.logits) for i, row in enumerate(rows) if row.logits is not None], drafts, out.logits)
-        for i, row in enumerate(rows):
-            row.verdict = verdicts.get(i)
-        if out.all_hidden is not None:  # before the commit moves num_computed_tokens
-            self.speculator.features([(row.seq.request_id, row.seq.num_computed_tokens, row.committed_hidden(out.all_hidden))
-                                      for row in rows if not row.failed])
-        return [output for row in rows if (output := self._finish_row(row)) is not None]
-
-    def _finish_row(self, row: StepRow) -> RequestOutput | None:
-        """Commit a row's tokens and emit them; a failure here ends this request alone."""
-        req = self._requests[row.seq.request_id]
-        if row.failed:
-            return self._fail(req, row.verdict.error)  # type: ignore[union-attr]
-        try:
-            self._commit(row)
-            output = self._emit(req, row) if row.verdict is not None else None
-            if not row.seq.is_finished:
-                self.blocks.register_full_blocks(row.seq)
-            return output
-        except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
-            logger.exception("request %s failed in its commit or emit", row.seq.request_id)
-            return self._fail(req, f"internal error: {type(e).__name__}: {e}")
-
-    def _draft_cap(self, seq: Sequence) -> int:
-        """The most draft nodes `seq` may be given this step (the scheduler reserves room for them)."""
-        left = min(seq.max_total_len - seq.num_tokens, seq.params.max_tokens - len(seq.output_token_ids))
-        return self.speculator.cap(left)
-
-    @staticmethod
-    def _decodes(batch: tuple[ScheduledSeq, ...]) -> list[Decode]:
-        """The batch items with room reserved for drafts, as their drafters may see them."""
-        return [
-            Decode(i, DraftRequest(_view(item.seq), item.draft_budget, tuple(item.seq.block_table),
-                                   item.seq.num_computed_tokens), item.seq.grammar)
-            for i, item in enumerate(batch) if item.draft_budget > 0
-        ]
-
-    def _commit(self, row: StepRow) -> None:
-        """Make the computed (and accepted) tokens' K/V part of the sequence; release rejected slots."""
-        seq, item, tree, verdict = row.seq, row.item, row.tree, row.verdict
-        start = seq.num_computed_tokens
-        if tree is None or verdict is None:
-            seq.num_computed_tokens += item.num_new_tokens
-        else:
-            depths_slots = [(start + 1 + node, start + 1 + d) for d, node in enumerate(verdict.accepted)]
-            self.runner.copy_slots(seq.block_table, [(s, d) for s, d in depths_slots if s != d])
-            seq.num_computed_tokens += 1 + len(verdict.accepted)
-            seq.speculation.record(len(tree), len(verdict.accepted))
-            self.draft_totals.record(len(tree), len(verdict.accepted))
-        if item.draft_budget > 0:  # slots reserved for drafts beyond what the sequence now holds
-            self.blocks.trim(seq, seq.num_tokens + (len(verdict.tokens) if verdict else 0))
-
-    def speculation_stats(self) -> SpeculationStats:
-        """The controller's record: grants, predicted vs realised acceptance, cost-model error."""
-        return self.speculator.stats()
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.blocks.num_used_blocks,
-            kv_blocks_total=self.blocks.num_blocks,
-            prefix_cache_queries=self.blocks.prefix_queries,
-            prefix_cache_hits=self.blocks.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, exactly as a text prompt is tokenized for generation."""
-        return self.inputs.encoder.tokenize(text)
+        return self.core.inputs.encoder.tokenize(text)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def speculation_stats(self) -> SpeculationStats:
+        return self.core.speculation_stats()
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """Compiles structured-output constraints for this model's tokenizer (built when first asked)."""
-        return self.inputs.grammar_compiler
+        return self.core.grammar_compiler
 
-    # -- internals -------------------------------------------------------
-    def _emit(self, req: RequestState, row: StepRow) -> RequestOutput:
-        """Append the step's tokens, finishing the request at the first stop condition."""
-        seq, verdict = req.seq, row.verdict
-        assert verdict is not None
-        now = time.perf_counter()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason = append_tokens(req, verdict.tokens, verdict.logprobs)
-        if reason is not None:
-            seq.finish_time = now
-            self.scheduler.finish(seq, reason)
-            del self._requests[seq.request_id]
-            self._drafter_finish(seq)
-        return new_output(req)
-
-    def _fail(self, req: RequestState, error: str) -> RequestOutput:
-        """End `req` alone with finish_reason "error": its blocks are freed, the batch goes on."""
-        seq = req.seq
-        logger.warning("request %s ended with an error: %s", seq.request_id, error)
-        seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq, "error")
-        seq.finish_reason = "error"  # also when the failure came after its last token was emitted
-        self._requests.pop(seq.request_id, None)
-        self._drafter_finish(seq)
-        return error_output(req, error)
-
-    def _drafter_finish(self, seq: Sequence) -> None:
-        self.speculator.finish(seq.request_id, _view(seq))
+    # the core's parts, for callers and tests that read them
+    config = property(lambda self: self.core.config)
+    model = property(lambda self: self.core.model)
+    tokenizer = property(lambda self: self.core.tokenizer)
+    device = property(lambda self: self.core.device)
+    speculative_config = property(lambda self: self.core.speculative_config)
+    blocks = property(lambda self: self.core.blocks)
+    runner = property(lambda self: self.core.runner)
+    scheduler = property(lambda self: self.core.scheduler)
+    speculator = property(lambda self: self.core.speculator)
+    draft_totals = property(lambda self: self.core.draft_totals)
+    eos_token_ids = property(lambda self: self.core.eos_token_ids)

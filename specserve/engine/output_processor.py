@@ -1,118 +1,146 @@
-"""Output processing: a request's accepted tokens become text and `RequestOutput`s.
+"""Output processing: a request's token deltas from the engine core become text and `RequestOutput`s.
 
-Detokenizes incrementally, checks stop conditions token by token (end-of-sequence ids, stop
-strings, a finished grammar, length), keeps back the characters of a stop string that may still be
-forming, and says what is new since the last output. Knows nothing of scheduling or the model.
+Detokenizes incrementally, finds stop strings token by token (the core stops at token-level
+conditions: end-of-sequence ids, a complete grammar, length; text is only here), keeps back the
+characters of a stop string that may still be forming, and says what is new since the last output.
+A request a stop string ends is named for the caller to abort in the core. Knows nothing of
+scheduling or the model; needs only the tokenizer, so it can run in the caller's thread or process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specserve.engine.sequence import Sequence
-from specserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from specserve.outputs import RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
+from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(eq=False)
 class RequestState:
-    """A sequence plus what emitting its text needs."""
+    """What emitting one request's text needs."""
 
-    seq: Sequence
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
     detok: IncrementalDetokenizer | None
-    eos_ids: frozenset[int]
+    eos_ids: frozenset[int]  # ids that end it (its stop_token_ids, and the model's unless ignore_eos)
+    holdback: int  # characters kept back while a stop string may be forming
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str = ""
     emitted_text_len: int = 0
     emitted_tokens: int = 0
-    holdback: int = 0  # characters kept back while a stop string may be forming
-
-    @classmethod
-    def start(cls, seq: Sequence, tokenizer: Any | None, eos_ids: frozenset[int]) -> RequestState:
-        """eos_ids: the ids that end this request (its stop_token_ids, and the model's unless ignore_eos)."""
-        detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids) if tokenizer is not None else None
-        holdback = max((len(s) for s in seq.params.stop), default=1) - 1
-        return cls(seq, detok, eos_ids, holdback=holdback)
+    finish_reason: str | None = None
 
 
-def append_tokens(req: RequestState, tokens: list[int], logprobs: list[TokenLogprob | None]) -> str | None:
-    """Append a step's tokens one by one, stopping at the first stop condition; the finish reason
-    ("stop", "length") or None. A token the request's grammar does not allow is an error."""
-    seq = req.seq
-    for token, logprob in zip(tokens, logprobs):
-        if seq.grammar is not None and not seq.grammar.accept(token):
-            raise RuntimeError(f"token {token} is not allowed by the request's grammar")
-        seq.output_token_ids.append(token)
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestState] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            eos_ids: frozenset[int]) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer is not None else None
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, detok, eos_ids,
+                                                  holdback)
+
+    def drop(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def process(self, deltas: list[TokenDelta]) -> tuple[list[RequestOutput], list[str]]:
+        """The outputs of a step's deltas, and the requests a stop string ended (to abort in the core)."""
+        outputs, stopped = [], []
+        for delta in deltas:
+            req = self._requests.get(delta.request_id)
+            if req is None:  # aborted meanwhile
+                continue
+            if delta.error is not None:
+                req.finish_reason = "error"
+                outputs.append(_output(req, "", [], req.text[: req.emitted_text_len], delta.metrics, delta.error))
+            else:
+                _append(req, delta)
+                metrics = delta.metrics
+                if req.finish_reason is not None and delta.finish_reason is None:  # a stop string ended it
+                    stopped.append(req.request_id)
+                    metrics = replace(metrics, finish_time=time.perf_counter())
+                outputs.append(_new_output(req, metrics))
+            if req.finish_reason is not None:
+                del self._requests[req.request_id]
+        return outputs, stopped
+
+
+def _append(req: RequestState, delta: TokenDelta) -> None:
+    """Append a delta's tokens one by one, stopping at the first stop condition: an end-of-sequence
+    id (not text), a stop string (the text cut there), or the core's reason at its last token."""
+    logprobs = iter(delta.new_logprobs)
+    last = len(delta.new_token_ids) - 1
+    for i, token in enumerate(delta.new_token_ids):
+        req.token_ids.append(token)
+        logprob = next(logprobs, None)
         if logprob is not None:
-            seq.logprobs.append(logprob)
-        reason = _check_stop(req, token)
-        if reason is not None:
-            if req.detok is not None and reason == "length":
+            req.logprobs.append(logprob)
+        if token in req.eos_ids:
+            req.finish_reason = "stop"
+            return
+        if req.detok is not None and _stop_string(req, req.detok.add([token])):
+            req.finish_reason = "stop"
+            return
+        if i == last and delta.finish_reason is not None:
+            req.finish_reason = delta.finish_reason
+            if req.detok is not None and delta.finish_reason == "length":
                 req.text += req.detok.flush()
-            return reason
-    return None
 
 
-def new_output(req: RequestState) -> RequestOutput:
+def _stop_string(req: RequestState, piece: str) -> bool:
+    """Append a token's text; whether it completes one of the request's stop strings (then the
+    text ends at it, or after it with include_stop_str_in_output)."""
+    before = len(req.text)
+    req.text += piece
+    stop = req.params.stop
+    if not stop or len(req.text) == before:
+        return False
+    start = max(0, before - max(len(s) for s in stop) + 1)
+    hits = [(i, s) for s in stop if (i := req.text.find(s, start)) >= 0]
+    if not hits:
+        return False
+    idx, s = min(hits)
+    req.text = req.text[: idx + (len(s) if req.params.include_stop_str_in_output else 0)]
+    return True
+
+
+def _new_output(req: RequestState, metrics: RequestMetrics) -> RequestOutput:
     """What the request has produced since its last output (all its text once it is finished;
     before, less the characters a stop string may still claim)."""
-    seq = req.seq
-    visible = len(req.text) if seq.is_finished else max(req.emitted_text_len, len(req.text) - req.holdback)
+    finished = req.finish_reason is not None
+    visible = len(req.text) if finished else max(req.emitted_text_len, len(req.text) - req.holdback)
     new_text = req.text[req.emitted_text_len : visible]
     req.emitted_text_len = visible
-    new_ids = seq.output_token_ids[req.emitted_tokens :]
-    req.emitted_tokens = len(seq.output_token_ids)
-    return _output(req, new_text, new_ids, req.text[:visible])
+    new_ids = req.token_ids[req.emitted_tokens :]
+    req.emitted_tokens = len(req.token_ids)
+    return _output(req, new_text, new_ids, req.text[:visible], metrics)
 
 
-def error_output(req: RequestState, error: str) -> RequestOutput:
-    """The last output of a request that ended with an error: no new text, what it had emitted."""
-    return _output(req, new_text="", new_ids=[], text=req.text[: req.emitted_text_len], error=error)
-
-
-def _output(req: RequestState, new_text: str, new_ids: list[int], text: str, error: str | None = None) -> RequestOutput:
-    seq = req.seq
+def _output(req: RequestState, new_text: str, new_ids: list[int], text: str, metrics: RequestMetrics,
+            error: str | None = None) -> RequestOutput:
     return RequestOutput(
-        request_id=seq.request_id,
-        prompt=seq.prompt,
-        prompt_token_ids=seq.prompt_token_ids,
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=req.prompt_token_ids,
         text=text,
-        token_ids=list(seq.output_token_ids),
+        token_ids=list(req.token_ids),
         new_text=new_text,
         new_token_ids=new_ids,
-        finished=seq.is_finished,
-        finish_reason=seq.finish_reason,
-        logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        finished=req.finish_reason is not None,
+        finish_reason=req.finish_reason,
+        logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         error=error,
-        metrics=RequestMetrics(
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
-            num_preemptions=seq.num_preemptions,
-            speculation=replace(seq.speculation, accepted_per_position=list(seq.speculation.accepted_per_position)),
-        ),
+        metrics=metrics,
     )
-
-
-def _check_stop(req: RequestState, token: int) -> str | None:
-    """Append the token's text and say why the request should finish, if it should."""
-    seq = req.seq
-    if token in req.eos_ids:
-        return "stop"
-    if req.detok is not None:
-        before = len(req.text)
-        req.text += req.detok.add([token])
-        stop = seq.params.stop
-        if stop and len(req.text) > before:
-            start = max(0, before - max(len(s) for s in stop) + 1)
-            hits = [(i, s) for s in stop if (i := req.text.find(s, start)) >= 0]
-            if hits:
-                idx, s = min(hits)
-                req.text = req.text[: idx + (len(s) if seq.params.include_stop_str_in_output else 0)]
-                return "stop"
-    if seq.grammar is not None and seq.grammar.done:  # complete: only the end of sequence may follow
-        return "stop"
-    if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_len:
-        return "length"
-    return None
