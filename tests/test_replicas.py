@@ -363,8 +363,8 @@ def test_replica_streams_every_group_to_its_subscriber_and_aborts_them_when_it_l
     replica = EngineReplica(EngineArgs(model=str(tiny_llama), max_model_len=1024), max_waiting=8)
     aborted: list[str] = []
     inner = replica._llm.engine
-    abort = inner.core.abort_request
-    inner.core.abort_request = lambda rid: (aborted.append(rid), abort(rid))[1]  # type: ignore[method-assign]
+    abort = inner.abort_request
+    inner.abort_request = lambda rid: (aborted.append(rid), abort(rid))[1]  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(str(tiny_llama), max_model_len=1024).generate(["one", "two"], greedy, use_tqdm=False)
     ids = {text: inner.tokenize(text) for text in ("one", "two", "three")}  # the front end sends token ids

@@ -1,11 +1,9 @@
 """`AsyncEngine`: the engine stepping in one background thread, shared by every HTTP request.
 
-The engine is not thread-safe, so everything that touches its core (adding, aborting, stepping,
+The engine is not thread-safe, so everything that touches it (adding, aborting, stepping,
 reading stats) runs on that one thread. Requests arrive as data, token ids and sampling parameters
 (`EngineRequest`): prompts are tokenized and chat templates rendered before, in the server's own
-thread for that (specserve.tokenizer.PromptEncoder), never on the engine's. The core steps and
-hands back token deltas; text is made on the event loop (an OutputProcessor: detokenizing, stop
-strings, `RequestOutput`), which tells the engine thread to abort a request a stop string ended. The event loop talks to it through
+thread for that (specserve.tokenizer.PromptEncoder), never on the engine's. The event loop talks to it through
 an inbox of commands (a deque plus a `threading.Event` the thread sleeps on when idle); results
 and per-step outputs come back with `loop.call_soon_threadsafe` into asyncio futures and
 per-request queues. After every pass the thread publishes an immutable `EngineSnapshot` for
@@ -26,10 +24,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, AsyncIterator, Callable, Generic, Protocol, Sequence, TypeVar
 
 from specserve.engine.engine import EngineStats, LLMEngine
-from specserve.engine.output_processor import OutputProcessor
 from specserve.outputs import DraftCounters
 from specserve.speculation.speculator import SpeculationStats
-from specserve.outputs import RequestOutput, TokenDelta
+from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve.server")
@@ -275,7 +272,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._routes: dict[str, asyncio.Queue[Any]] = {}  # event-loop side only
-        self._outputs = OutputProcessor(engine.tokenizer)  # event-loop side only
         self._active: set[str] = set()  # engine-thread side only: added, not yet finished
         self._carried = 0  # engine-thread side only: requests in the add commands of this pass
 
@@ -349,10 +345,8 @@ class AsyncEngine:
                 )
             self._queued += len(requests)
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        for r in requests:
-            self._routes[r.request_id] = queue
-            self._outputs.add(r.request_id, None, list(r.prompt_token_ids), r.params,
-                              self._engine.core.inputs.eos_for(r.params))
+        for rid in ids:
+            self._routes[rid] = queue
         reply: _Reply[None] = _Reply(self._require_loop())
         self._send(lambda engine: self._add(engine, requests, reply))
         try:
@@ -363,7 +357,6 @@ class AsyncEngine:
         except BaseException:
             for rid in ids:
                 self._routes.pop(rid, None)
-                self._outputs.drop(rid)
             raise
         return RequestStream(self, ids, queue)
 
@@ -372,7 +365,6 @@ class AsyncEngine:
         ids = list(request_ids)
         for rid in ids:
             self._routes.pop(rid, None)
-            self._outputs.drop(rid)
         self._send(lambda engine: self._abort(engine, ids))
 
     async def abort_and_wait(self, request_ids: Sequence[str]) -> None:
@@ -381,7 +373,6 @@ class AsyncEngine:
         ids = list(request_ids)
         for rid in ids:
             self._routes.pop(rid, None)
-            self._outputs.drop(rid)
         if not self.alive:
             self._send(lambda engine: self._abort(engine, ids))
             return
@@ -404,12 +395,8 @@ class AsyncEngine:
             raise EngineError("the engine loop has not been started")
         return self._loop
 
-    def _dispatch(self, deltas: list[TokenDelta]) -> None:
-        """On the event loop: the step's deltas as outputs, each routed to its request's queue; a
-        request a stop string ended is aborted in the engine."""
-        outputs, stopped = self._outputs.process(deltas)
-        if stopped:
-            self._send(lambda engine: self._abort(engine, stopped))
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: route each output to its request's queue."""
         for out in outputs:
             queue = self._routes.get(out.request_id)
             if queue is None:
@@ -421,7 +408,6 @@ class AsyncEngine:
     def _fail(self, request_ids: list[str], error: EngineError) -> None:
         """On the event loop: end these requests' streams with an error like `error` (one each)."""
         for rid in request_ids:
-            self._outputs.drop(rid)
             queue = self._routes.pop(rid, None)
             if queue is not None:
                 queue.put_nowait(type(error)(*error.args))
@@ -457,11 +443,11 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for r in requests:
-                engine.core.add_request(r.request_id, list(r.prompt_token_ids), r.params)
+                engine.add_request(list(r.prompt_token_ids), r.params, r.request_id)
                 added.append(r.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller
             for rid in added:
-                engine.core.abort_request(rid)
+                engine.abort_request(rid)
             reply.set(error=e)
             return
         self._active.update(added)
@@ -470,25 +456,25 @@ class AsyncEngine:
     def _abort(self, engine: LLMEngine, request_ids: list[str]) -> None:
         for rid in request_ids:
             try:
-                engine.core.abort_request(rid)
+                engine.abort_request(rid)
             except Exception:  # noqa: BLE001 - abort the others all the same
                 logger.exception("aborting request %s failed", rid)
             self._active.discard(rid)
 
     def _step(self, engine: LLMEngine) -> None:
         try:
-            deltas = engine.core.step()
+            outputs = engine.step()
         except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
             logger.exception("engine step failed; aborting %d request(s)", len(self._active))
             failed = sorted(self._active)
             self._abort(engine, failed)
             self._post(self._fail, failed, EngineError("internal engine error; the request was aborted"))
             return
-        for delta in deltas:
-            if delta.finish_reason is not None:
-                self._active.discard(delta.request_id)
-        if deltas:
-            self._post(self._dispatch, deltas)
+        for out in outputs:
+            if out.finished:
+                self._active.discard(out.request_id)
+        if outputs:
+            self._post(self._dispatch, outputs)
 
     def _publish(self, engine: LLMEngine, added: int) -> None:
         snapshot = EngineSnapshot(engine.stats(), _copy_spec(engine.draft_totals), 0, engine.speculation_stats())
