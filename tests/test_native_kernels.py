@@ -303,3 +303,29 @@ def _items() -> list[torch.Tensor]:
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     return [i32([0]), i32([1]), i32([1]), i32([0]), i32([0]), torch.zeros(1, dtype=torch.uint8),
             torch.tensor([-1])]
+
+
+def test_operators_have_right_schemas_and_fakes_for_torch_compile() -> None:
+    """torch.library.opcheck on every layer operator: the schema states what it mutates, the fake
+    implementation gives the real one's shapes and dtypes, and AOT tracing (what torch.compile does)
+    runs through it."""
+    isa = ops.layer_isa()
+    x, w, b = torch.randn(3, 64), torch.randn(8, 64), torch.randn(8)
+    kc, vc = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    cases = {
+        "linear_f32": (x, w, b, isa),
+        "linear_int8": (x, torch.randint(-127, 127, (8, 64), dtype=torch.int8), torch.rand(8), b, isa),
+        "linear_int4": (x, torch.randint(0, 255, (8, 32), dtype=torch.uint8), torch.rand(8, 2), torch.rand(8, 2),
+                        None, isa),
+        "int8_round_activations": (x, isa),
+        "rms_norm": (x, torch.ones(64), 1e-6, isa),
+        "silu_mul": (torch.randn(3, 64), isa),
+        "rope_": (torch.randn(2, 96), 4, 16, torch.randn(2, 16), torch.randn(2, 16), isa),
+        "write_kv": (torch.randn(2, 2, 16), torch.randn(2, 2, 16), kc, vc, torch.tensor([0, 9]), isa),
+        "paged_attention": (torch.randn(2, 4, 16), kc, vc, *[torch.tensor(v, dtype=torch.int32) for v in
+                                                             ([0], [2], [2], [0], [0])],
+                            torch.zeros(1, dtype=torch.uint8), torch.tensor([-1]), 0.25, isa),  # 2 rows, causal
+    }
+    for name, args in cases.items():
+        results = torch.library.opcheck(getattr(torch.ops.specserve, name).default, args)
+        assert all(v == "SUCCESS" for v in results.values()), (name, results)
