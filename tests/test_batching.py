@@ -125,3 +125,21 @@ def test_runner_returns_the_hidden_states_behind_the_logits(tiny_llama) -> None:
     assert out.rows == [(0, 3), (3, 1)]
     assert out.hidden.shape == (4, llm.engine.model.config.hidden_size)
     torch.testing.assert_close(llm.engine.model.compute_logits(out.hidden), out.logits)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_request_that_ends_at_once_still_publishes_its_prompt_to_the_prefix_cache(
+    tiny_llama: Path, max_tokens: int
+) -> None:
+    """Scoring clients send many max_tokens=1 requests over shared prefixes: a request that finishes
+    in the step that computed its prompt publishes the prompt's full blocks before they are freed,
+    so the same prompt again reuses them (it used to hit nothing)."""
+    llm = LLM(str(tiny_llama), block_size=16)
+    prompt = random_prompts(1, seed=9, low=256, high=257)[0]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    second = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert first.metrics.num_cached_prompt_tokens == 0
+    assert second.metrics.num_cached_prompt_tokens == 240  # 16 full blocks, the last token computed again
+    assert second.token_ids == first.token_ids
+    assert_all_blocks_free(llm.engine)

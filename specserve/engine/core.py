@@ -174,10 +174,9 @@ class EngineCore:
             return self._fail(row.seq, row.verdict.error)  # type: ignore[union-attr]
         try:
             self._commit(row)
-            output = self._emit(row) if row.verdict is not None else None
-            if not row.seq.is_finished:
-                self.blocks.register_full_blocks(row.seq)
-            return output
+            # before the emit: a request that ends in this step still publishes its computed blocks
+            self.blocks.register_full_blocks(row.seq)
+            return self._emit(row) if row.verdict is not None else None
         except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
             logger.exception("request %s failed in its commit or emit", row.seq.request_id)
             return self._fail(row.seq, f"internal error: {type(e).__name__}: {e}")
