@@ -49,7 +49,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.outputs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        ids = self.core.inputs.encoder.prompt(prompt)
+        # text is tokenized here; the core checks the ids (once)
+        ids = self.core.inputs.encoder.prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self.core.add_request(request_id, ids, params)
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                          self.core.inputs.eos_for(params))

@@ -33,10 +33,9 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
 
-    def sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """The request as a sequence; InvalidRequestError naming the field when it cannot run."""
-        ids = self.encoder.prompt(prompt)
-        text = prompt if isinstance(prompt, str) else None
+        ids = self.encoder.prompt(prompt_token_ids)  # checked against the vocabulary
         limit = self.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(
@@ -51,7 +50,7 @@ class InputProcessor:
             )
         grammar = self._grammar(params)
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=time.perf_counter(),
-                        max_total_len=max_total, prompt=text, grammar=grammar)
+                        max_total_len=max_total, grammar=grammar)
 
     def eos_for(self, params: SamplingParams) -> frozenset[int]:
         """The ids that end a request: its stop_token_ids, and the model's unless ignore_eos."""

@@ -23,7 +23,6 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     max_total_len: int  # prompt + max_tokens, capped by the model's context
-    prompt: str | None = None
     grammar: TokenGrammar | None = None  # structured outputs: where the output is in its grammar
 
     output_token_ids: list[int] = field(default_factory=list)
