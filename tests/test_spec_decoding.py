@@ -12,7 +12,6 @@ import torch
 from scipy.stats import chisquare
 
 from specserve import LLM, SamplingParams
-from specserve.speculation.verifier import Verifier
 
 from conftest import random_prompts, shuffle_grants
 
@@ -131,15 +130,26 @@ def exact_distribution(target: Path, params: SamplingParams, n_tokens: int = 3) 
 
 
 def sample_counts(target: Path, spec: dict, params: SamplingParams, n: int) -> tuple[dict[tuple[int, ...], int], LLM]:
+    """The first three tokens of n sampled outputs. Every request must end normally with at least
+    three tokens: a request that errored (a token its grammar forbids, a broken distribution) or
+    stopped short would otherwise drop out of the counts and hide a lossy rule."""
     llm = shuffle_grants(LLM(str(target), speculative=spec, max_num_seqs=256, seed=7))
     outs = llm.generate([PROMPT] * n, params, use_tqdm=False)
+    assert len(outs) == n
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
+        assert o.finish_reason in ("length", "stop") and o.error is None, (o.finish_reason, o.error)
+        assert len(o.token_ids) >= 3, o.token_ids
         counts[tuple(o.token_ids[:3])] = counts.get(tuple(o.token_ids[:3]), 0) + 1
     return counts, llm
 
 
 def chi2_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float], n: int) -> float:
+    """Pearson's test of n counted outcomes against `exact`: every count is in, none rescaled (an
+    outcome the exact distribution gives probability 0 fails at once)."""
+    assert sum(counts.values()) == n, f"{sum(counts.values())} of {n} outputs counted"
+    if any(exact.get(k, 0.0) == 0.0 for k in counts):
+        return 0.0
     keys = sorted(exact, key=lambda k: -exact[k])
     obs, exp = [], []
     rest_o, rest_e = 0.0, 0.0
@@ -154,7 +164,7 @@ def chi2_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...],
         obs.append(rest_o)
         exp.append(rest_e)
     total = sum(exp)
-    return float(chisquare(obs, [e * sum(obs) / total for e in exp]).pvalue)
+    return float(chisquare(obs, [e * n / total for e in exp]).pvalue)
 
 
 SAMPLING_CASES = {
@@ -186,26 +196,6 @@ def test_speculative_sampling_matches_exact_distribution(small_vocab: tuple[Path
     totals = llm.engine.draft_totals
     assert totals.proposed > 0 and 0 < totals.accepted < totals.proposed, "needs both accepts and rejections"
     assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
-
-
-def test_the_distribution_test_catches_a_broken_acceptance_rule(
-    small_vocab: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Always accepting the draft (a lossy rule) must fail the same check."""
-    target, draft = small_vocab
-
-    def always_accept(tree, children, probs, gen):
-        accepted, node = [], -1
-        while children.get(node):
-            node = children[node][0]
-            accepted.append(node)
-        return accepted, int(torch.multinomial(probs[node + 1], 1, generator=gen).item())
-
-    monkeypatch.setattr(Verifier, "_sample", staticmethod(always_accept))
-    params = SAMPLING_CASES["chain-draft-model-t1"][3]
-    n = 3000
-    counts, _ = sample_counts(target, _spec("draft-model", 3, 1, draft), params, n)
-    assert chi2_pvalue(counts, exact_distribution(target, params), n) < 0.001
 
 
 # ---------------------------------------------------------------------------

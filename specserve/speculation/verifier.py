@@ -131,23 +131,35 @@ class Verifier:
             for c in children.get(node, []):
                 x = tree.tokens[c]
                 q = None if tree.probs is None else tree.probs[c].to(p.device, p.dtype)
-                ratio = p[x] if q is None else p[x] / q[x].clamp_min(1e-30)
                 u = torch.rand((), generator=gen, device=gen.device).to(p.device)
-                if bool(u < ratio):
+                if bool(u < Verifier._acceptance(p, q, x)):
                     chosen = c
                     break
-                if q is None:
-                    p = p.clone()
-                    p[x] = 0.0
-                else:
-                    p = (p - q).clamp_min(0.0)
-                total = p.sum()
-                if not bool(total > 0):  # p == q up to rounding: nothing left to correct
+                residual = Verifier._residual(p, q, x)
+                if residual is None:  # p == q up to rounding: nothing left to correct
                     p = probs[node + 1]
                     break
-                p = p / total
+                p = residual
             if chosen is None:
                 bonus = int(torch.multinomial(p.to(gen.device), 1, generator=gen).item())
                 return accepted, bonus
             accepted.append(chosen)
             node = chosen
+
+    @staticmethod
+    def _acceptance(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+        """The chance of accepting draft token x drawn from q (None: the point mass on x) when
+        the target is p: min(1, p(x) / q(x))."""
+        return p[x] if q is None else p[x] / q[x].clamp_min(1e-30)
+
+    @staticmethod
+    def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor | None:
+        """What the target becomes after x is rejected: norm(max(p - q, 0)) (for a point mass, p
+        without x); None when nothing is left."""
+        if q is None:
+            r = p.clone()
+            r[x] = 0.0
+        else:
+            r = (p - q).clamp_min(0.0)
+        total = r.sum()
+        return r / total if bool(total > 0) else None
