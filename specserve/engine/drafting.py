@@ -25,6 +25,7 @@ from specserve.speculation.controller import (
     Controller, FixedController, ForwardProfile, GoodputController, StepCostModel,
 )
 from specserve.speculation.factory import ModelHandle, build_drafters
+from specserve.speculation.guard import GoodputGuard
 from specserve.speculation.sampler import Sampler
 from specserve.speculation.speculator import Speculator
 from specserve.speculation.verifier import Verifier
@@ -114,6 +115,7 @@ def build_speculator(
     target = ModelHandle(runner.run, mc.vocab_size, mc.num_layers, device, module=runner.model)
     draft = _draft_model(spec, config, draft_builder) if "draft-model" in spec.drafters else None
     drafters = build_drafters(spec, target, config.seed, draft, tokenizer)
+    guard = None  # fixed grants are the baseline: nothing overrides them
     if spec.controller == "fixed":
         controller: Controller = FixedController()
     else:
@@ -123,7 +125,8 @@ def build_speculator(
         logger.info("forward time by tokens: %s; attention %.2f us per token of context",
                     {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, attended * 1e6)
         controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended))
-    return Speculator(drafters, sampler, verifier, spec.num_tokens, controller)
+        guard = GoodputGuard()
+    return Speculator(drafters, sampler, verifier, spec.num_tokens, controller, guard=guard)
 
 
 def _draft_model(spec: SpeculativeConfig, config: EngineConfig, draft_builder: DraftBuilder | None) -> ModelHandle:

@@ -127,6 +127,14 @@ def _control_metrics(c: SpeculationStats) -> Iterator[Metric]:
     for name, n in c.drafted_with:
         by_drafter.add_metric([name], n)
     yield by_drafter
+    yield CounterMetricFamily("specserve_spec_guard_plain_steps",
+                              "Decode steps the goodput guard kept plain (drafts delivered fewer tokens per second "
+                              "at that batch shape, or a control step)", value=c.guard_plain_steps)
+    yield CounterMetricFamily("specserve_spec_guard_probes",
+                              "Steps the guard drafted on to measure whether drafts pay again", value=c.guard_probes)
+    yield CounterMetricFamily("specserve_spec_guard_turned_off",
+                              "Times a batch shape was switched to plain decoding by measurement",
+                              value=c.guard_turned_off)
 
 
 class PoolCollector(Collector):

@@ -30,6 +30,7 @@ import torch
 from specserve.speculation.controller import AcceptanceModel, Candidate, Controller, StepShape
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
 from specserve.speculation.grammar import extend_forced, prune
+from specserve.speculation.guard import GoodputGuard, Mode
 from specserve.speculation.sampler import Sampler, SamplingRow
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 from specserve.speculation.verifier import Verdict, Verifier, failed
@@ -72,6 +73,9 @@ class SpeculationStats:
     drafted_with: tuple[tuple[str, int], ...] = ()  # (drafter, request-steps verified with its tree)
     forced_drafted: int = 0  # draft nodes a grammar forced (structured outputs)
     forced_accepted: int = 0
+    guard_plain_steps: int = 0  # decode steps the goodput guard kept plain (drafts lost there, or a control)
+    guard_probes: int = 0  # steps it drafted on to see whether drafts pay again
+    guard_turned_off: int = 0  # times a batch shape was switched off because drafts delivered less
 
     @property
     def cost_relative_error(self) -> float:
@@ -161,6 +165,7 @@ class _Step:
     predicted_seconds: float | None = None
     propose_seconds: float = 0.0
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
+    guard: tuple[tuple[int, int], Mode] | None = None  # the guard's bucket and its say, on decode-only steps
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
     def row(self, index: int) -> _Row:
@@ -183,6 +188,7 @@ class Speculator:
         controller: Controller,
         acceptance: AcceptanceModel | None = None,
         explore_every: int = 16,
+        guard: GoodputGuard | None = None,
     ) -> None:
         self.drafters = dict(drafters)
         self.sampler = sampler
@@ -191,6 +197,7 @@ class Speculator:
         self.controller = controller
         self.acceptance = acceptance or AcceptanceModel()
         self.explore_every = explore_every
+        self.guard = guard  # None: the controller's word is final (fixed grants, tests)
         self._propose_cost: dict[str, float] = {}  # seconds per request (lookups) or per depth (models)
         self._since_draft: dict[str, int] = {}  # request -> steps since its last verified draft
         self._step = _Step()
@@ -219,8 +226,11 @@ class Speculator:
         step's shape without drafts; `sampling_rows` the items that emit a token."""
         self._step = _Step(shape=base, rows={d.index: _Row(view=d.request.view) for d in decodes})
         self._open = True
+        if self.enabled and self.guard is not None and base.tokens == sampling_rows:  # decode-only
+            key = self.guard.key(sampling_rows, base.attended)
+            self._step.guard = (key, self.guard.mode(key, self._step_no))
         decodes = [d for d in decodes if d.request.budget > 0]
-        if not self.enabled or not decodes:
+        if not self.enabled or not decodes or self._mode is Mode.PLAIN:
             self._step.grants = [0] * len(decodes)
             return {}
         self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
@@ -235,6 +245,11 @@ class Speculator:
             logger.exception("speculation failed while proposing; the step decodes plainly")
             self._step = _Step(shape=base, rows={i: _Row(view=r.view) for i, r in self._step.rows.items()})
             return {}
+
+    @property
+    def _mode(self) -> Mode:
+        """The guard's say on this step (DRAFT where it has none)."""
+        return Mode.DRAFT if self._step.guard is None else self._step.guard[1]
 
     def _choose(self, request: DraftRequest) -> str:
         """The drafter expected to give this request the most accepted tokens."""
@@ -272,7 +287,10 @@ class Speculator:
 
     def _exploring(self, request_id: str, name: str) -> bool:
         """Whether this step drafts for the request although the estimates say it does not pay:
-        a request given nothing is never measured again, so now and then it is."""
+        a request given nothing is never measured again, so now and then it is (and every request
+        on the guard's probe steps)."""
+        if self._mode is Mode.PROBE:
+            return True
         every = self.explore_every if self._active[name].runs_a_model else max(1, self.explore_every // 4)
         return (self._since_draft.get(request_id, 0) + 1) % every == 0
 
@@ -357,7 +375,7 @@ class Speculator:
         attended = 0
         step = self._step
         for o, v, order, k in zip(offers, values, orders, sel.counts):
-            if k == 0 and (self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0:
+            if k == 0 and (self._mode is Mode.PROBE or (self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0):
                 k = 1  # now and then one node is verified whatever the estimate, so it can recover
             if k == 0:
                 continue
@@ -512,6 +530,10 @@ class Speculator:
                 if d is None and r.view is not None:  # forced nodes only: no drafter's
                     self._since_draft[r.view.request_id] = self._since_draft.get(r.view.request_id, 0) + 1
         self._grants.update(step.grants)
+        if step.guard is not None and self.guard is not None:
+            drafted = any(r.drafted is not None or r.forced is not None for r in step.rows.values())
+            emitted = sum(len(r.verdict.tokens) for r in step.rows.values() if r.ok)  # type: ignore[union-attr]
+            self.guard.record(step.guard[0], step.guard[1], self._step_no, drafted, seconds, emitted)
         deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
                                         forced_drafted=sum(r.forced[1] for r in step.rows.values() if r.forced),
                                         forced_accepted=forced_accepted)
@@ -563,8 +585,11 @@ class Speculator:
                 self._failed("finish")
 
     def stats(self) -> SpeculationStats:
+        guard = self.guard.stats() if self.guard is not None else None
         return replace(self._totals, grants=tuple(sorted(self._grants.items())),
-                       drafted_with=tuple(sorted(self._drafted_with.items())))
+                       drafted_with=tuple(sorted(self._drafted_with.items())),
+                       guard_plain_steps=guard.plain_steps if guard else 0, guard_probes=guard.probes if guard else 0,
+                       guard_turned_off=guard.turned_off if guard else 0)
 
     def _failed(self, stage: str) -> None:
         """The first failure is logged with its traceback, later ones counted; a drafter failing

@@ -1,0 +1,176 @@
+"""A measured check that speculation pays: realized tokens per second with drafts against the same
+engine's rate without them, per batch shape.
+
+The controller decides from models (acceptance rates, a step-cost fit), and models are wrong on
+inputs they have not seen. The guard looks only at what happened: for decode-only steps, bucketed by
+how many requests decode and how much context they attend to, it keeps a moving average of the
+seconds per emitted token of steps that verified no draft (plain steps: those the controller left
+plain, or a control step the guard makes plain when none came for a while) and of steps that did
+(their whole time, drafting included, over every token they emitted, accepted and bonus). While
+drafted steps deliver a token for fewer seconds than plain ones the controller decides as before;
+once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
+steps), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
+for a probe now and then (after `probe_after` steps, doubling after every probe that loses, up to
+`probe_max`), a step on which every decode drafts (the controller's choice, at least one node
+each); a probe that pays turns the bucket back on.
+
+Why this never changes what a request outputs: the guard chooses whether a step drafts from the
+seconds and token counts of steps already taken, before the step's drafts are drawn or verified;
+it never reads the step's own draws. For any draft tree chosen from the past (none included),
+verification emits tokens drawn exactly from the target's distribution given the output so far
+(greedy: its argmax; seeded: its draw at that position), so which tree each step verifies moves
+speed, never the output's distribution. Steps with prefill chunks are neither judged nor changed:
+their time is mostly the prompt's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Mode(enum.Enum):
+    DRAFT = "draft"  # the controller decides
+    PLAIN = "plain"  # no drafts this step (the bucket is off, or a control step)
+    PROBE = "probe"  # the bucket is off, and this step tries drafting for every decode
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    margin: float = 0.02  # drafted steps may be this much slower per token before the bucket goes off
+    min_steps: int = 3  # drafted steps measured before a bucket can be judged
+    decay: float = 0.8  # weight of the old average per new step
+    control_every: int = 64  # a plain step when none came at the bucket in this many steps
+    probe_after: int = 16  # steps off before the first probe
+    probe_max: int = 512  # the longest wait between probes
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
+        for name in ("min_steps", "control_every", "probe_after", "probe_max"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"guard decay: must be in [0, 1), got {self.decay}")
+
+
+@dataclass
+class _Average:
+    value: float = 0.0
+    steps: int = 0
+
+    def add(self, x: float, decay: float) -> None:
+        self.value = x if self.steps == 0 else decay * self.value + (1.0 - decay) * x
+        self.steps += 1
+
+
+@dataclass
+class _Bucket:
+    plain: _Average = field(default_factory=_Average)  # seconds per token of plain steps
+    seconds: _Average = field(default_factory=_Average)  # of drafted steps
+    tokens: _Average = field(default_factory=_Average)  # emitted by drafted steps
+    off: bool = False
+    last_plain: int = -(1 << 30)  # step number of the last plain step measured here
+    wait: int = 0  # steps between probes now
+    next_probe: int = 0
+    on_since: int = 0  # drafted steps since the bucket last turned on
+
+    def gain(self) -> float:
+        """Plain seconds per token over drafted seconds per token (> 1: drafts pay)."""
+        return self.plain.value * self.tokens.value / self.seconds.value
+
+
+@dataclass(frozen=True)
+class GuardStats:
+    plain_steps: int = 0  # decode steps the guard kept plain (bucket off, or control)
+    probes: int = 0
+    turned_off: int = 0
+    turned_on: int = 0
+    buckets_off: int = 0  # now
+
+
+class GoodputGuard:
+    """Per batch shape: whether this step may draft, from what drafted and plain steps delivered."""
+
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        self.config = config or GuardConfig()
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._stats = GuardStats()
+
+    @staticmethod
+    def key(rows: int, attended: int) -> tuple[int, int]:
+        """The bucket of a decode-only step: requests decoding (exact to 4, then by powers of two),
+        and mean context per request (by powers of four)."""
+        r = rows if rows <= 4 else 1 << (rows - 1).bit_length()
+        context = max(attended // max(rows, 1), 1)
+        return r, (context.bit_length() - 1) // 2
+
+    def mode(self, key: tuple[int, int], step_no: int) -> Mode:
+        b = self._bucket(key)
+        if b.off:
+            return Mode.PROBE if step_no >= b.next_probe else Mode.PLAIN
+        if b.plain.steps == 0 or (b.seconds.steps and step_no - b.last_plain >= self.config.control_every):
+            return Mode.PLAIN  # the reference first, and again when it is old
+        return Mode.DRAFT
+
+    def record(self, key: tuple[int, int], mode: Mode, step_no: int, drafted: bool, seconds: float,
+               tokens: int) -> None:
+        """A step at `key`, run in `mode`, took `seconds` and emitted `tokens` (drafted: it verified
+        at least one draft node)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        c = self.config
+        b = self._bucket(key)
+        if mode is Mode.PLAIN:
+            self._count(plain_steps=1)
+        if not drafted:
+            b.plain.add(seconds / tokens, c.decay)
+            b.last_plain = step_no
+            return
+        if b.plain.steps == 0:
+            return
+        b.seconds.add(seconds, c.decay)
+        b.tokens.add(tokens, c.decay)
+        if mode is Mode.PROBE:
+            self._count(probes=1)
+            if b.gain() >= 1.0:
+                b.off, b.on_since = False, 0
+                self._count(turned_on=1, buckets_off=-1)
+            else:
+                self._back_off(b, step_no)
+            return
+        b.on_since += 1
+        if b.seconds.steps >= c.min_steps and b.gain() < 1.0 - c.margin:
+            self._back_off(b, step_no)
+            b.off = True
+            self._count(turned_off=1, buckets_off=1)
+        elif b.on_since >= c.control_every:
+            b.wait = 0  # it paid for a while: a later loss starts from short probes again
+
+    def _bucket(self, key: tuple[int, int]) -> _Bucket:
+        """The bucket at `key`; a new one starts off where the nearest context bucket with the same
+        rows is off (as the context grows, a shape where drafts lost is not tried afresh)."""
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket()
+            near = [k for k in self._buckets if k[0] == key[0] and k != key]
+            if near:
+                n = self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))]
+                if n.off:
+                    b.off, b.wait, b.next_probe = True, n.wait, n.next_probe
+                    self._count(buckets_off=1)
+        return b
+
+    def _back_off(self, b: _Bucket, step_no: int) -> None:
+        """Off until a probe: the wait doubles with every loss since the bucket last paid for long."""
+        c = self.config
+        b.wait = min(max(b.wait * 2, c.probe_after), c.probe_max)
+        b.next_probe = step_no + b.wait
+        b.seconds, b.tokens = _Average(), _Average()  # judged afresh by the next probe
+
+    def _count(self, **deltas: int) -> None:
+        s = self._stats
+        self._stats = GuardStats(**{k: getattr(s, k) + deltas.get(k, 0) for k in GuardStats.__dataclass_fields__})
+
+    def stats(self) -> GuardStats:
+        return self._stats

@@ -1,0 +1,146 @@
+"""The goodput guard: speculation is switched off, by measurement, at a batch shape where drafts
+deliver fewer tokens per second than plain decoding, and back on when a probe shows they pay; the
+engine it guards keeps its outputs (greedy equivalence) and counts what it did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.speculation.drafter import Drafter, DraftRequest
+from specserve.speculation.guard import GoodputGuard, GuardConfig, Mode
+from specserve.speculation.tree import DraftTree
+
+from conftest import random_prompts
+
+KEY = GoodputGuard.key(8, 8 * 100)
+
+
+def run(guard: GoodputGuard, steps: int, start: int, plain_spt: float, drafted_spt: float) -> list[Mode]:
+    """`steps` steps at KEY from step number `start`: a step that drafts (DRAFT or PROBE) takes
+    `drafted_spt` seconds per token, a plain one `plain_spt` (8 tokens each)."""
+    modes = []
+    for n in range(start, start + steps):
+        mode = guard.mode(KEY, n)
+        drafted = mode is not Mode.PLAIN
+        guard.record(KEY, mode, n, drafted, 8 * (drafted_spt if drafted else plain_spt), 8)
+        modes.append(mode)
+    return modes
+
+
+def test_drafts_that_lose_are_switched_off_and_probed_ever_more_rarely() -> None:
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=128))
+    modes = run(guard, 400, 0, plain_spt=0.010, drafted_spt=0.012)
+    assert modes[0] is Mode.PLAIN  # the reference comes first
+    assert modes[1:4] == [Mode.DRAFT] * 3  # then three drafted steps, judged together
+    assert set(modes[4:]) == {Mode.PLAIN, Mode.PROBE}
+    probes = [i for i, m in enumerate(modes) if m is Mode.PROBE]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 3 + 16 and gaps[:3] == [32, 64, 128] and set(gaps[3:]) == {128}
+    stats = guard.stats()
+    assert stats.turned_off == 1 and stats.probes == len(probes) and stats.buckets_off == 1
+
+
+def test_a_probe_that_pays_turns_drafting_back_on() -> None:
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    run(guard, 30, 0, plain_spt=0.010, drafted_spt=0.012)
+    modes = run(guard, 60, 30, plain_spt=0.010, drafted_spt=0.006)  # the drafts got good
+    first = modes.index(Mode.PROBE)
+    assert set(modes[first + 1:]) == {Mode.DRAFT}
+    assert guard.stats().turned_on == 1 and guard.stats().buckets_off == 0
+
+
+def test_drafts_that_pay_stay_on_with_a_control_step_now_and_then() -> None:
+    guard = GoodputGuard(GuardConfig(control_every=64))
+    modes = run(guard, 300, 0, plain_spt=0.010, drafted_spt=0.009)
+    assert Mode.PROBE not in modes and guard.stats().turned_off == 0
+    plain = [i for i, m in enumerate(modes) if m is Mode.PLAIN]
+    assert plain[0] == 0 and len(plain) > 2 and all(b - a == 64 for a, b in zip(plain, plain[1:]))  # controls only
+
+
+def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
+    guard = GoodputGuard(GuardConfig(probe_after=16))
+    run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)
+    longer = GoodputGuard.key(8, 8 * 1000)
+    assert longer != KEY and guard.mode(longer, 11) is Mode.PLAIN
+    assert guard.mode(GoodputGuard.key(2, 2 * 100), 11) is Mode.PLAIN  # a new shape's reference step
+    assert guard.mode(GoodputGuard.key(2, 2 * 100), 12) is Mode.PLAIN  # still: nothing recorded yet
+
+
+@pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])
+def test_bad_guard_settings_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"guard {field}"):
+        GuardConfig(**{field: value})
+
+
+# -- in the engine -------------------------------------------------------------------------------
+
+
+class Garbage(Drafter):
+    """Proposes a full chain of a token the target never emits here: every draft is rejected."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        return [DraftTree.chain([self.token] * r.budget) for r in requests]
+
+
+class Oracle(Drafter):
+    """Proposes what plain greedy decoding will emit next: every draft is accepted."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        out = []
+        for r in requests:
+            done = len(r.view.output_token_ids)
+            out.append(DraftTree.chain(self.continuations[r.view.prompt_token_ids][done: done + r.budget]))
+        return out
+
+
+def counted_steps(llm: LLM) -> list[int]:
+    """A one-element list counting the engine's steps from now on."""
+    count = [0]
+    step = llm.engine.step
+
+    def counting():
+        count[0] += 1
+        return step()
+
+    llm.engine.step = counting  # type: ignore[method-assign]
+    return count
+
+
+def test_the_guard_turns_garbage_drafts_off_and_good_ones_back_on(tiny_llama: Path) -> None:
+    """`auto` with drafters that always miss: within 5% of plain decoding in steps and in tokens
+    verified (counted, not timed); then drafts that always hit: speculation comes back and takes
+    far fewer steps. Outputs are plain decoding's throughout."""
+    prompts = random_prompts(8, seed=41)
+    greedy = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    plain_llm = LLM(str(tiny_llama), max_num_seqs=8)
+    plain_steps = counted_steps(plain_llm)
+    plain = [o.token_ids for o in plain_llm.generate(prompts, greedy, use_tqdm=False)]
+    tokens = sum(len(p) for p in plain)
+
+    llm = LLM(str(tiny_llama), speculative="auto", max_num_seqs=8)
+    speculator = llm.engine.speculator
+    unused = next(t for t in range(256) if all(t not in p for p in plain))
+    speculator.drafters = {name: Garbage(unused) for name in speculator.drafters}
+    steps = counted_steps(llm)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    stats = llm.engine.speculation_stats()
+    verified = sum(k * n for k, n in stats.grants)
+    assert stats.guard_turned_off >= 1
+    assert steps[0] <= 1.05 * plain_steps[0]
+    assert verified <= 0.05 * tokens, f"{verified} draft tokens verified beside {tokens} emitted"
+
+    speculator.drafters = {"oracle": Oracle({tuple(p): o for p, o in zip(prompts, plain)})}
+    steps[0] = 0
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    after = llm.engine.speculation_stats()
+    assert after.guard_probes > stats.guard_probes and after.accepted > stats.accepted
+    assert steps[0] < 0.7 * plain_steps[0]
