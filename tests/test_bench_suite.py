@@ -25,6 +25,7 @@ from typing import Any, Self
 import pytest
 
 from specserve.bench.datasets import (
+    CODE_EDITS,
     DatasetUnavailable,
     HumanEval,
     Sample,
@@ -150,6 +151,30 @@ def test_humaneval_prompts_are_signature_and_docstring() -> None:
     seeded = [s.source_id for s in ds.sample(SampleSpec(num=3, seed=0), byte_count).samples]
     assert seeded == ["HumanEval/146", "HumanEval/67", "HumanEval/68"]
     assert {s.output_len for s in ds.sample(SampleSpec(num=5, output_len=32)).samples} == {32}
+
+
+def test_code_edit_prompts_hold_the_whole_function_and_one_edit() -> None:
+    """Protects the code-editing workload: each prompt holds a complete HumanEval function (its
+    prompt and solution) and one edit instruction, the edits rotate over the problems (categories of
+    equal size, different functions), and a fix-bug prompt's code differs from the solution by one
+    put-in bug."""
+    humaneval_or_skip()
+    ds = open_dataset("code-edit")
+    problems = humaneval_or_skip().problems()
+    draw = ds.sample(SampleSpec(per_category=3), byte_count)
+    kinds = [s.category for s in draw.samples]
+    assert sorted(set(kinds)) == sorted(CODE_EDITS) and all(kinds.count(k) == 3 for k in CODE_EDITS)
+    assert len({s.source_id.split("/")[1] for s in draw.samples}) == len(draw.samples)  # different functions
+    for sample in draw.samples:
+        task = problems[int(sample.source_id.split("/")[1])]
+        assert sample.prompt.startswith(CODE_EDITS[sample.category])
+        code = sample.prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        whole = (task["prompt"] + task["canonical_solution"]).strip()
+        if sample.category == "fix-bug":
+            assert code != whole and len(code) - len(whole) in (-1, 0, 1)
+        else:
+            assert code == whole
+        assert sample.output_len == byte_count(code) * 5 // 4
 
 
 def _write_spec_bench(path: Path, per_category: dict[str, int]) -> Path:

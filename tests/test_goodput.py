@@ -80,6 +80,33 @@ def test_a_node_is_charged_for_the_context_it_attends_to() -> None:
     assert sel.seconds == pytest.approx(ctl.predict(StepShape(4, 2, 4050 + 4050)))
 
 
+def test_a_latency_target_bounds_every_requests_time_per_token() -> None:
+    """On a GPU-like cost (rows nearly free to 64 tokens, then not), throughput alone drafts
+    everything for the likely requests; the step then slows the requests drafting nothing. With a
+    latency target, nodes are taken back until every request's expected seconds per token fits it
+    (or the plain step's, where the target is tighter than plain decoding)."""
+    rising = {1: 0.010, 16: 0.010, 64: 0.012, 128: 0.030, 256: 0.060}
+    likely = [Candidate(tuple(0.95 ** (j + 1) for j in range(30)))] * 4
+    rows = 6  # two requests draft nothing (no candidate)
+
+    def worst_tpot(ctl: GoodputController, sel: Selection) -> float:
+        least = 1.0 if sum(1 for k in sel.counts if k) < rows else min(
+            1.0 + sum(c.values[:k]) for c, k in zip(likely, sel.counts))
+        return sel.seconds / least
+
+    free = GoodputController(StepCostModel(ForwardProfile(rising))).select(StepShape(rows), rows, likely)
+    assert sum(free.counts) > 50 and free.seconds > 0.015  # throughput's choice: a slow step
+    for slo in (0.015, 0.011, 0.002):
+        ctl = GoodputController(StepCostModel(ForwardProfile(rising)), latency_slo=slo)
+        sel = ctl.select(StepShape(rows), rows, likely)
+        bound = max(slo, ctl.predict(StepShape(rows)))
+        assert worst_tpot(ctl, sel) <= bound + 1e-12
+        assert 0 < sum(sel.counts) < sum(free.counts)  # nearly free rows are still used, the rest cut
+        assert sel.expected_tokens > rows
+    with pytest.raises(ValueError, match="spec_latency_slo"):
+        GoodputController(StepCostModel(ForwardProfile(rising)), latency_slo=0.0)
+
+
 def test_the_cost_model_learns_step_time_from_the_steps() -> None:
     """Steps that cost 1.3x the probe plus 3 ms per tree and 1 ms of fixed overhead: after a few
     hundred steps the model predicts new shapes within a few percent and knows the tree cost."""

@@ -1,4 +1,5 @@
-"""Benchmark datasets behind one interface: Spec-Bench, ShareGPT V3 and HumanEval.
+"""Benchmark datasets behind one interface: Spec-Bench, ShareGPT V3, HumanEval, and code editing
+built from HumanEval's solutions.
 
 Each dataset turns a `SampleSpec` (how many, shuffled with which seed, which output length) into
 a `Draw`: `Sample`s (prompt text, output length, prompt length, category) and what was dropped.
@@ -30,7 +31,7 @@ SPEC_BENCH_FILES = (
     _REPO_ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl",
     Path("../shared/data/spec_bench_question.jsonl"),
 )
-DATASET_NAMES = ("spec-bench", "sharegpt", "humaneval")
+DATASET_NAMES = ("spec-bench", "sharegpt", "humaneval", "code-edit")
 
 
 class DatasetUnavailable(FileNotFoundError):
@@ -345,6 +346,65 @@ class HumanEval:
         return Draw(tuple(out), examined)
 
 
+# --------------------------------------------------------------------------------------------- code editing
+
+# A mistake put into a solution for the "fix-bug" edit: the first of these that applies.
+_BUGS = ((" <= ", " < "), (" >= ", " > "), (" < ", " <= "), (" > ", " >= "), (" == ", " != "), (" + 1", " + 2"),
+         (" - 1", " - 2"), ("return True", "return False"))
+
+CODE_EDITS = {
+    "type-hints": "Add type hints to every function signature and variable annotation where useful.",
+    "docstrings": "Add a docstring to every function that lacks one and a comment above each loop.",
+    "rename": "Rename the local variables to longer, descriptive names.",
+    "fix-bug": "This code has one bug. Fix it.",
+}
+
+
+@dataclass(frozen=True)
+class CodeEdit:
+    """Code editing: the model is given a complete HumanEval function (its prompt and canonical
+    solution) and asked to change it (`CODE_EDITS`: add type hints, add docstrings, rename
+    variables, fix a bug put into it) and to reply with the whole changed code, the workload where
+    the output copies most of its input. Problem i gets edit i mod 4 (the category), so every
+    category has different functions. The output length is the code's tokenized length plus a
+    quarter (or the spec's fixed one)."""
+
+    path: Path | None = None
+    name: str = field(default="code-edit", init=False)
+
+    def sample(self, spec: SampleSpec, count_tokens: TokenCounter | None = None) -> Draw:
+        if spec.output_len is None and count_tokens is None:
+            raise ValueError("tokenizer: code-edit needs a tokenizer for the code lengths, or a fixed output_len")
+        edits = list(CODE_EDITS)
+        out: list[Sample] = []
+        per_cat: Counter[str] = Counter()
+        dropped: Counter[str] = Counter()
+        examined = 0
+        for i, task in enumerate(HumanEval(self.path).problems()):
+            if spec.num is not None and len(out) >= spec.num:
+                break
+            examined += 1
+            kind = edits[i % len(edits)]
+            if spec.per_category is not None and per_cat[kind] >= spec.per_category:
+                continue
+            code = (str(task["prompt"]) + str(task["canonical_solution"])).strip()
+            if kind == "fix-bug":
+                bug = next(((a, b) for a, b in _BUGS if a in str(task["canonical_solution"])), None)
+                if bug is None:
+                    dropped["no bug to put in"] += 1
+                    continue
+                code = (str(task["prompt"]) + str(task["canonical_solution"]).replace(bug[0], bug[1], 1)).strip()
+            prompt = (f"{CODE_EDITS[kind]} Reply with the complete updated code in one Python code block and "
+                      f"nothing else.\n\n```python\n{code}\n```")
+            output_len = spec.output_len or max(1, count_tokens(code) * 5 // 4)  # type: ignore[misc]
+            out.append(Sample(prompt, output_len, count_tokens(prompt) if count_tokens else None, kind,
+                              f"{task['task_id']}/{kind}"))
+            per_cat[kind] += 1
+        if spec.seed is not None:
+            out = _ordered(out, spec.seed)
+        return Draw(tuple(out), examined, tuple(sorted(dropped.items())))
+
+
 # --------------------------------------------------------------------------------------------- selection
 
 
@@ -358,6 +418,8 @@ def open_dataset(name_or_path: str | None, path: Path | None = None) -> Dataset:
         return ShareGPT(path)
     if name == "humaneval":
         return HumanEval(path)
+    if name == "code-edit":
+        return CodeEdit(path)
     if path is not None:
         raise ValueError(f"dataset_path: only goes with a dataset name ({', '.join(DATASET_NAMES)}), not {name!r}")
     if Path(name).is_file():

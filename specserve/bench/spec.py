@@ -196,6 +196,7 @@ def _control_row(s: Any) -> dict[str, Any]:
         "accepted": s.accepted,
         "cost_error": round(s.cost_relative_error, 4) if s.cost_steps else None,
         "drafted_with": dict(s.drafted_with),
+        "guard": {"plain_steps": s.guard_plain_steps, "probes": s.guard_probes, "turned_off": s.guard_turned_off},
     }
 
 

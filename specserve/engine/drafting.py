@@ -124,7 +124,8 @@ def build_speculator(
         attended = probe_attention(runner, num_blocks, min(512, config.max_model_len - 1))
         logger.info("forward time by tokens: %s; attention %.2f us per token of context",
                     {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, attended * 1e6)
-        controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended))
+        slo = None if spec.latency_slo_ms is None else spec.latency_slo_ms / 1000.0
+        controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended), latency_slo=slo)
         guard = GoodputGuard()
     return Speculator(drafters, sampler, verifier, spec.num_tokens, controller, guard=guard)
 

@@ -131,6 +131,10 @@ class EngineArgs:
         s.add_argument("--draft-layers", type=int, default=spec.draft_layers, help="layers for --spec layer-skip")
         s.add_argument("--draft-stop-below", type=float, default=spec.draft_stop_below,
                        help="model drafters stop a chain when their pick's probability is below this")
+        s.add_argument("--spec-latency-slo", type=float, default=spec.latency_slo_ms, metavar="MS",
+                       help="inter-token latency (ms) drafts may take any request to (default: none; "
+                            "throughput decides): a step's drafts are cut until every request's expected "
+                            "time per token is within it, or within plain decoding's where that misses it")
 
     @classmethod
     def from_cli(cls, a: argparse.Namespace) -> "EngineArgs":
@@ -143,7 +147,7 @@ class EngineArgs:
             seed=a.engine_seed, threads=a.threads,
             speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
                                           width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
-                                          draft_stop_below=a.draft_stop_below),
+                                          draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo),
         )
 
     # -- what it builds ---------------------------------------------------------------------------

@@ -28,6 +28,10 @@ class SpeculativeConfig:
         for `eagle`, the head's directory (None: the head shipped for the model, if there is one)
     draft_layers: how many of the target's first layers `layer-skip` drafts with (None: the
         measured default for the model, else half the layers)
+    latency_slo_ms: with the goodput controller, the inter-token latency (ms) speculation may take
+        any request to: a step's drafts are cut until every request's expected time per token is
+        within it (or within the plain step's time, where plain decoding already misses it); None:
+        throughput alone decides
     """
 
     method: str = "none"
@@ -37,6 +41,7 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_layers: int | None = None
     draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
+    latency_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         for part in self.methods:
@@ -55,6 +60,8 @@ class SpeculativeConfig:
             raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
         if self.width > 1 and "ngram" not in self.drafters:
             raise ValueError(f"spec_width: only the ngram drafter takes a width, got {self.width} for {self.method!r}")
+        if self.latency_slo_ms is not None and not self.latency_slo_ms > 0:
+            raise ValueError(f"spec_latency_slo: must be > 0 ms, got {self.latency_slo_ms}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers: must be >= 1, got {self.draft_layers}")
 

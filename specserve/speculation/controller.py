@@ -18,7 +18,12 @@ whose expected tokens pay for their cost at the batch's goodput, and none when n
   at goodput g a node is kept when its value exceeds g x (its marginal cost: one more token in
   the forward, attending to its request's context), a request drafts
   when its kept nodes together pay g x (its fixed cost); g is then recomputed, and the
-  iteration ends when the selection stops changing.
+  iteration ends when the selection stops changing. With a latency target (`latency_slo`,
+  seconds per token), nodes are then taken back, least valuable per second first, until every
+  request's expected time per token this step (the step's seconds over 1 + its expected accepted
+  nodes; a request drafting nothing gets one token for the whole step) is within the target, or
+  within the plain step's time where plain decoding itself misses it: drafts for some requests
+  never slow the others beyond the bound.
 """
 
 from __future__ import annotations
@@ -282,9 +287,12 @@ class Selection:
 class GoodputController:
     """Keeps, across the batch, the draft nodes that raise expected tokens per second."""
 
-    def __init__(self, cost: StepCostModel, max_iterations: int = 8) -> None:
+    def __init__(self, cost: StepCostModel, max_iterations: int = 8, latency_slo: float | None = None) -> None:
+        if latency_slo is not None and latency_slo <= 0:
+            raise ValueError(f"spec_latency_slo: must be > 0 seconds per token, got {latency_slo}")
         self.cost = cost
         self.max_iterations = max_iterations
+        self.latency_slo = latency_slo
 
     def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> Selection:
         """base: the step without drafts; sampling_rows: requests that emit a token this step."""
@@ -314,7 +322,29 @@ class GoodputController:
             if trial.expected_tokens / trial.seconds <= g:
                 break
             best = trial
+        if self.latency_slo is not None:
+            best = self._within_latency(base, sampling_rows, candidates, best, base_seconds)
         return best
+
+    def _within_latency(self, base: StepShape, rows: int, candidates: list[Candidate], sel: Selection,
+                        plain_seconds: float) -> Selection:
+        """`sel` with nodes taken back (each time the last node of the request whose last node is
+        worth least per second it adds) until every request's expected seconds per token is within
+        max(latency_slo, plain_seconds)."""
+        assert self.latency_slo is not None
+        bound = max(self.latency_slo, plain_seconds)
+        counts = list(sel.counts)
+        while sum(counts):
+            drafting = [i for i, k in enumerate(counts) if k]
+            # The slowest request per token: one that drafts nothing (a row outside the candidates,
+            # or a candidate given no nodes) gets one token; a drafting one 1 + its expected accepted.
+            least = 1.0 if len(drafting) < rows else min(1.0 + sum(candidates[i].values[:counts[i]]) for i in drafting)
+            if sel.seconds / least <= bound:
+                break
+            i = min(drafting, key=lambda i: candidates[i].values[counts[i] - 1])
+            counts[i] -= 1
+            sel = self.evaluate(base, rows, candidates, counts)
+        return sel
 
     def predict(self, shape: StepShape) -> float:
         """The step's seconds (drafting excluded), as the cost model expects them."""

@@ -32,7 +32,7 @@ from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
 from specserve.speculation.grammar import extend_forced, prune
 from specserve.speculation.guard import GoodputGuard, Mode
 from specserve.speculation.sampler import Sampler, SamplingRow
-from specserve.speculation.tree import EMPTY_TREE, DraftTree
+from specserve.speculation.tree import EMPTY_TREE, DraftTree, replay
 from specserve.speculation.verifier import Verdict, Verifier, failed
 from specserve.structured import TokenGrammar
 
@@ -106,6 +106,7 @@ class _Offer:
     tree: DraftTree = EMPTY_TREE
     forced_from: int | None = None  # the first grammar-forced node of `tree`, if any
     rank: int | None = None  # when its drafter's tree came back (the controller is asked in that order)
+    others: list[tuple[str, DraftTree]] = field(default_factory=list)  # the other drafters' trees (auto)
 
     @property
     def request(self) -> DraftRequest:
@@ -142,6 +143,7 @@ class _Row:
 
     view: RequestView | None = None  # a decode offered to the drafters
     drafted: _Drafted | None = None  # the drafter's share of the tree verified for it
+    others: list[tuple[str, DraftTree]] = field(default_factory=list)  # trees proposed but not verified
     forced: tuple[int, int, int] | None = None  # grammar-forced nodes verified: (first, how many, its parent)
     verdict: Verdict | None = None
     plain_id: str | None = None  # decoded without a draft: its request id
@@ -310,7 +312,7 @@ class Speculator:
         for o in offers:
             if o.grant <= 0:
                 continue
-            for n in (self._lookups() if self._asks_all(o.name) else [o.name]):
+            for n in (self._worth_asking(o) if self._asks_all(o.name) else [o.name]):
                 asked.setdefault(n, []).append(o)
         trees: dict[int, list[tuple[str, DraftTree]]] = {}  # by id of the offer
         for name, group in asked.items():
@@ -339,8 +341,27 @@ class Speculator:
         by_id = {id(o): o for o in offers}
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
-            o.name, o.tree = max(options, key=lambda opt: sum(self.acceptance.node_values(opt[0], o.rid, opt[1])))
+            best = max(range(len(options)), key=lambda i: sum(self.acceptance.node_values(options[i][0], o.rid, options[i][1])))
+            o.name, o.tree = options[best]
+            o.others = options[:best] + options[best + 1:]
             o.rank = rank
+
+    # A lookup drafter whose measured worth for a request is below this share of the best one's is
+    # asked for it only on every ASK_ANYWAY-th step (so that its record can still recover).
+    WORTH_SHARE = 0.2
+    ASK_ANYWAY = 8
+
+    def _worth_asking(self, o: _Offer) -> list[str]:
+        """The lookup drafters to ask for the request (`auto`): those whose measured worth for it
+        (the chance they propose, times their chain's expected accepted tokens, learnt also from
+        the trees that lost, see `_learn`) is within WORTH_SHARE of the best; now and then all."""
+        names = self._lookups()
+        if self._step_no % self.ASK_ANYWAY == 0:
+            return names
+        a = self.acceptance
+        worth = {n: a.proposes(n, o.rid) * sum(a.chain_values(n, o.rid, o.grant)) for n in names}
+        top = max(worth.values())
+        return [n for n in names if worth[n] >= self.WORTH_SHARE * top or n == o.name]
 
     def _values(self, o: _Offer) -> list[float]:
         """The chance each node is accepted: the drafter's nodes by its measured acceptance, forced
@@ -389,6 +410,7 @@ class Speculator:
             if mine:
                 step.row(index).drafted = _Drafted(o.name, o.request.view, tree.truncated(mine),
                                                    sum(v[n] for n in kept if n < o.first_forced))
+                step.row(index).others = o.others
             if mine < k:
                 step.row(index).forced = (mine, k - mine, tree.parents[mine])
         step.grants = [len(drafts.get(o.decode.index, EMPTY_TREE)) for o in offered]
@@ -511,6 +533,8 @@ class Speculator:
                 rid = d.view.request_id
                 mine = [n for n in r.verdict.accepted if n < len(d.tree)]  # type: ignore[union-attr]  # forced nodes follow
                 a.observe(d.name, rid, d.tree, mine)
+                for name, other in r.others:  # what the trees that lost would have had accepted
+                    a.observe(name, rid, *replay(other, r.verdict.tokens))  # type: ignore[union-attr]
                 predicted += d.predicted
                 accepted += len(mine)
                 self._since_draft[rid] = 0

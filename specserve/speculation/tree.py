@@ -98,3 +98,27 @@ class DraftTree:
 
 
 EMPTY_TREE = DraftTree()
+
+
+def replay(tree: DraftTree, emitted: list[int]) -> tuple[DraftTree, list[int]]:
+    """What verifying `tree` would have accepted, judged by the tokens a step emitted with another
+    tree: the part of `tree` those tokens can judge (nodes at depth <= len(emitted)) and, of it, the
+    nodes on the emitted path, root to leaf.
+
+    Exact for greedy requests (the emitted tokens are the target's argmax chain). For sampled ones,
+    a deterministic node matches the emitted token with the chance it would have been accepted:
+    with point-mass proposals, recursive rejection sampling accepts a child with token x exactly
+    when the target's draw there is x (elder siblings rejected), so the emitted tokens give the
+    same acceptance in distribution."""
+    depths = tree.depths()
+    judged = tree.keep([i for i, d in enumerate(depths) if d <= len(emitted)])
+    accepted: list[int] = []
+    node = -1
+    for tok in emitted:
+        match = next((c for c in judged.children(node) if judged.tokens[c] == tok), None)
+        if match is None:
+            break
+        accepted.append(match)
+        node = match
+    return judged, accepted
+
