@@ -96,6 +96,22 @@ def chat(port: int, prompt: str, max_tokens: int) -> float:
     return seconds
 
 
+def answered_chat(port: int, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """Seconds and completion tokens of one greedy chat completion, answered to its end."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    seconds = time.perf_counter() - start
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"port {port}: HTTP {resp.status}: {data[:200]!r}")
+    return seconds, int(json.loads(data)["usage"]["completion_tokens"])
+
+
 def structured_chat(port: int, prompt: str, schema: dict, max_tokens: int) -> tuple[float, int, str]:
     """Seconds, completion tokens and text of one chat completion held to `schema`."""
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -148,7 +164,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the 13 prompts")
-    ap.add_argument("--workload", choices=["spec-bench", "structured"], default="spec-bench")
+    ap.add_argument("--workload", choices=["spec-bench", "structured", "code-edit"], default="spec-bench",
+                    help="code-edit: the code-editing prompts (one per edit kind), each answered to its end "
+                         "(no ignore_eos), tokens counted from usage")
     ap.add_argument("--in-process", action="store_true",
                     help="also time each specserve configuration through LLM.chat (the server's overhead)")
     ap.add_argument("--gguf", default=None, help="the GGUF file {gguf} stands for (default: the bundled model's)")
@@ -174,7 +192,8 @@ def main() -> None:
         configs.append(Config(f"specserve {name}", argv, port))
     if not configs:
         ap.error("give at least one --llama or --specserve configuration")
-    samples = open_dataset("spec-bench", None).sample(SampleSpec(seed=None, per_category=1)).samples
+    workload = "code-edit" if a.workload == "code-edit" else "spec-bench"
+    samples = open_dataset(workload, None).sample(SampleSpec(seed=None, per_category=1, output_len=a.max_tokens)).samples
     structured = []
     if a.workload == "structured":
         from structured_outputs import cases  # this directory's benchmark
@@ -197,7 +216,12 @@ def main() -> None:
         for r in range(a.rounds if not structured else 0):
             for i, s in enumerate(samples):
                 for c in configs:
-                    c.seconds.append(chat(c.port, s.prompt, a.max_tokens))
+                    if a.workload == "code-edit":
+                        seconds, tokens = answered_chat(c.port, s.prompt, a.max_tokens)
+                        c.seconds.append(seconds)
+                        c.tokens.append(tokens)
+                    else:
+                        c.seconds.append(chat(c.port, s.prompt, a.max_tokens))
                 print(f"round {r + 1} prompt {i + 1}/{len(samples)} done", file=sys.stderr, flush=True)
     finally:
         for c in configs:

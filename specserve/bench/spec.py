@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from specserve.bench.datasets import (
+    CodeEdit,
     Dataset,
     SampleSpec,
     SpecBench,
@@ -57,9 +58,9 @@ def load_by_category(path: Path | None, per_category: int) -> list[tuple[str, st
 
 
 def load_questions(dataset: Dataset, per_category: int, max_tokens: int, tokenizer: Any) -> list[tuple[str, str]]:
-    """(category, prompt) pairs: Spec-Bench's first `per_category` per category; for a dataset without
-    categories, its first `per_category` usable prompts under the dataset's name."""
-    if isinstance(dataset, SpecBench):
+    """(category, prompt) pairs: the first `per_category` per category (Spec-Bench, code-edit); for a
+    dataset without categories, its first `per_category` usable prompts under the dataset's name."""
+    if isinstance(dataset, (SpecBench, CodeEdit)):
         spec = SampleSpec(per_category=per_category, output_len=max_tokens)
     else:
         spec = SampleSpec(num=per_category, output_len=max_tokens)
