@@ -196,3 +196,37 @@ def test_auto_learns_from_the_trees_that_lost_and_stops_asking_a_drafter_that_do
     used = dict(llm.engine.speculation_stats().drafted_with)
     assert used.get("ngram", 0) > 0.5 * sum(used.values()), used
     assert never_asked[0] < 0.3 * always.asked, (never_asked[0], always.asked)
+
+
+class RandomGuard(GoodputGuard):
+    """A guard whose say changes at random every step (plain, draft, probe), whatever the steps
+    measured: outputs must not notice."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def mode(self, key: tuple[int, int], step_no: int) -> Mode:
+        return self.rng.choice(list(Mode))
+
+
+def test_sampling_keeps_the_exact_distribution_whatever_the_guard_says(tiny_model_factory) -> None:
+    """The goodput controller (not fixed grants) with a guard that switches drafting off, on and
+    to probing at random: the first three sampled tokens of 3,000 requests follow the target's
+    exact distribution, every request counted."""
+    from test_spec_decoding import PROMPT, VOCAB, chi2_pvalue, exact_distribution
+
+    opts = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, initializer_range=0.15)
+    target = tiny_model_factory("v4-target", **opts, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    llm = LLM(str(target), speculative=dict(method="ngram", num_tokens=4, width=3), max_num_seqs=256, seed=7)
+    llm.engine.speculator.guard = RandomGuard(5)
+    n = 3000
+    outs = llm.generate([PROMPT] * n, params, use_tqdm=False)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        assert o.finish_reason == "length" and len(o.token_ids) == 6
+        counts[tuple(o.token_ids[:3])] = counts.get(tuple(o.token_ids[:3]), 0) + 1
+    stats = llm.engine.speculation_stats()
+    assert stats.guard_plain_steps > 0 and llm.engine.draft_totals.accepted > 0
+    assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
