@@ -258,11 +258,17 @@ class SuffixDrafter(Drafter):
         max_cached_requests: int = 256,
     ) -> None:
         self.config = SuffixConfig(max_depth, max_spec_factor, min_prob, max_cached_requests)
-        self._lock = threading.Lock()  # guards _requests (the dict), _global and _cached
+        self._lock = threading.Lock()  # guards _requests (the dict), _global, _cached and _pending
         self._requests: dict[str, _RequestIndex] = {}
         self._global = SuffixTrie(self.config.trie_depth)
-        self._cached: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cached: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # outputs in the global index
+        self._pending: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # finished, not indexed yet
         self._calls = 0
+
+    # Finished outputs are indexed when the drafter is next asked to propose, at most this many per
+    # call: indexing one (every window of up to `trie_depth` tokens) costs milliseconds, and a step
+    # that does not draft with suffix (the controller or the goodput guard says so) should not pay it.
+    ABSORB_PER_CALL = 2
 
     # -- Drafter ------------------------------------------------------------------
 
@@ -270,6 +276,7 @@ class SuffixDrafter(Drafter):
         self._calls += 1
         if self._calls % 256 == 0:
             self._drop_stale()
+        self._absorb(self.ABSORB_PER_CALL)
         return [self._propose_one(r.view, r.budget) for r in requests]
 
     def finish(self, request_id: str, view: RequestView) -> None:
@@ -281,18 +288,34 @@ class SuffixDrafter(Drafter):
             old = self._cached.pop(request_id, None)
             if old is not None:
                 self._global.remove(old)
-            self._global.add(output)
-            self._cached[request_id] = output
-            while len(self._cached) > self.config.max_cached_requests:
+            self._pending.pop(request_id, None)
+            self._pending[request_id] = output
+            self._evict()
+
+    def _absorb(self, limit: int) -> None:
+        """Index up to `limit` pending finished outputs in the global index, oldest first."""
+        with self._lock:
+            for _ in range(min(limit, len(self._pending))):
+                request_id, output = self._pending.popitem(last=False)
+                self._global.add(output)
+                self._cached[request_id] = output
+
+    def _evict(self) -> None:
+        """At most `max_cached_requests` outputs kept, indexed or pending: the oldest go first."""
+        while len(self._cached) + len(self._pending) > self.config.max_cached_requests:
+            if self._cached:
                 _, evicted = self._cached.popitem(last=False)
                 self._global.remove(evicted)
+            else:
+                self._pending.popitem(last=False)
 
     # -- introspection (tests, metrics) -----------------------------------------------
 
     @property
     def num_cached_requests(self) -> int:
+        """Finished outputs kept for drafting (indexed, or waiting for the next proposal)."""
         with self._lock:
-            return len(self._cached)
+            return len(self._cached) + len(self._pending)
 
     @property
     def num_tracked_requests(self) -> int:
