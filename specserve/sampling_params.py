@@ -100,6 +100,9 @@ class SamplingParams:
     output so far) and CTRL/transformers (repetition: over prompt and output)
     definitions. `logprobs=n` returns the sampled token's log-probability and
     the n most likely alternatives under the model's raw distribution.
+    `logit_bias` (token id -> bias in [-100, 100], a dict or (id, bias) pairs) is added to the
+    logits before penalties, temperature and filters, as the OpenAI API and vLLM add it; -100
+    bans a token in practice, +100 all but forces it.
     """
 
     max_tokens: int = 16
@@ -117,8 +120,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias or ()
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in pairs)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias", "must map token ids to numbers") from None
         # Accept a bare string or any sequence for the tuple fields.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -163,6 +173,11 @@ class SamplingParams:
             raise bad("stop", "every stop string must be a non-empty string")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")
+        for token, value in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise bad("logit_bias", f"the bias of token {token} must be a number in [-100, 100], got {value!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 

@@ -69,6 +69,24 @@ def test_greedy_is_argmax_and_penalty_changes_it() -> None:
     assert sampler(logits, [penalized]).token_ids == [1]
 
 
+def test_logit_bias_is_added_before_penalties_and_temperature() -> None:
+    """The bias moves greedy picks (-100 bans the argmax, +100 forces a token) and sampled draws
+    follow softmax((logits + bias) / T)."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sampler(logits, [make_seq(SamplingParams(temperature=0, logit_bias={0: -100}))]).token_ids == [1]
+    assert sampler(logits, [make_seq(SamplingParams(temperature=0, logit_bias={2: 100.0}))]).token_ids == [2]
+    rows = [SamplingParams(temperature=0.5, logit_bias={0: 1.0, 2: -0.5}), SamplingParams(temperature=0.5)]
+    out = Sampler.processed_logits(logits.repeat(2, 1), rows, [[0], [0]], [[], []])
+    assert torch.allclose(out[0], (logits[0] + torch.tensor([1.0, 0.0, -0.5]) - 4.0) / 0.5)
+    assert torch.allclose(out[1], (logits[0] - 3.0) / 0.5)  # the other row unbiased
+    n = 20000
+    seqs = [make_seq(SamplingParams(temperature=1.0, logit_bias={1: 2.0})) for _ in range(n)]
+    tokens = sampler(logits.repeat(n, 1), seqs).token_ids
+    expected = (logits[0] + torch.tensor([0.0, 2.0, 0.0])).double().softmax(-1) * n
+    assert chisquare([tokens.count(t) for t in range(3)], expected.tolist()).pvalue > 0.001
+
+
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_p=0.8),
@@ -132,6 +150,11 @@ def test_logprobs_are_raw_model_logprobs() -> None:
         (dict(presence_penalty=-2.5), "presence_penalty"),
         (dict(logprobs=21), "logprobs"),
         (dict(stop=[""]), "stop"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={5: 101}), "logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

@@ -312,7 +312,10 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "n": 128}, 400, "n"),  # > --max-waiting
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"five": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/tokenize", {"prompt": 3}, 400, "prompt"),

@@ -114,7 +114,10 @@ def exact_distribution(target: Path, params: SamplingParams, n_tokens: int = 3) 
         nxt: dict[tuple[int, ...], float] = {}
         for prefix, p in probs.items():
             with torch.no_grad():
-                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1] / params.temperature
+                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+            for token, bias in params.logit_bias:
+                logits[token] += bias
+            logits = logits / params.temperature
             dist = logits.softmax(-1)
             if params.top_p < 1:
                 order = dist.argsort(descending=True)
@@ -175,6 +178,10 @@ SAMPLING_CASES = {
     "tree-ngram-t1": ("ngram", 4, 3, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)),
     "tree-recycling-top-p": ("recycling", 4, 1,
                              SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, ignore_eos=True)),
+    "chain-draft-model-logit-bias": ("draft-model", 3, 1, SamplingParams(
+        max_tokens=6, temperature=1.0, ignore_eos=True, logit_bias={0: 1.5, 2: -1.0})),
+    "tree-ngram-logit-bias": ("ngram", 4, 3, SamplingParams(
+        max_tokens=6, temperature=0.8, ignore_eos=True, logit_bias={1: -2.0, 3: 0.7})),
 }
 
 
@@ -388,3 +395,18 @@ def test_bad_spec_options_name_the_field(kwargs: dict, field: str) -> None:
 
     with pytest.raises(ValueError, match=f"^{field}:"):
         SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("method", ["auto", "ngram"])
+def test_greedy_speculation_with_a_logit_bias_matches_plain(tiny_llama: Path, plain_outputs: list[list[int]],
+                                                          method: str) -> None:
+    """A logit bias moves greedy output (it bans each plain output's most frequent token), and with
+    speculation under any grants the biased output is still plain decoding's, token for token."""
+    prompts = random_prompts(8, seed=21)
+    banned = max(set(plain_outputs[0]), key=plain_outputs[0].count)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logit_bias={banned: -100, 65: 3.0})
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)]
+    assert plain != plain_outputs and all(banned not in p for p in plain)
+    llm = shuffle_grants(LLM(str(tiny_llama), speculative=dict(method=method, num_tokens=4)), seed=3)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    assert llm.engine.draft_totals.proposed > 0

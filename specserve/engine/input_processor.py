@@ -48,6 +48,10 @@ class InputProcessor:
                 f"prompt + max_tokens = {max_total} tokens need more KV blocks than the cache holds "
                 f"({self.blocks.num_blocks} x {self.blocks.block_size} tokens)",
             )
+        too_big = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if too_big:
+            raise InvalidRequestError("logit_bias", f"token id {too_big[0]} is not in the model's vocabulary "
+                                                    f"(ids 0..{self.vocab_size - 1})")
         grammar = self._grammar(params)
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=time.perf_counter(),
                         max_total_len=max_total, grammar=grammar)

@@ -2,7 +2,7 @@
 
 Types are checked here (a wrong type is a 400 naming the field); ranges are checked by
 `SamplingParams`, whose InvalidRequestError names the field too. Unknown fields are ignored, as
-the OpenAI API and vLLM do; fields we cannot honour (tools, logit_bias, ...) are rejected.
+the OpenAI API and vLLM do; fields we cannot honour (tools, ...) are rejected.
 """
 
 from __future__ import annotations
@@ -147,8 +147,7 @@ class _SamplingFields(_Body):
     guided_whitespace_pattern: Any = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias", "is not supported")
+        self._logit_bias()
         for old, new in _REMOVED_GUIDED.items():
             if getattr(self, old) is not None:
                 raise InvalidRequestError(old, f"was removed (as in vLLM 0.12); use structured_outputs.{new}")
@@ -169,6 +168,21 @@ class _SamplingFields(_Body):
         if self.structured_outputs is not None:
             return self.structured_outputs.constraint()
         return None if self.response_format is None else self.response_format.constraint()
+
+    def _logit_bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (the OpenAI API sends them as strings)."""
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequestError("logit_bias", f"key {key!r} is not a token id") from None
+            if token < 0:
+                raise InvalidRequestError("logit_bias", f"key {key!r} is not a token id")
+            if not -100 <= value <= 100:
+                raise InvalidRequestError("logit_bias", f"the bias of token {token} must be in [-100, 100], got {value}")
+            out[token] = value
+        return out
 
     def _sampling_params(self, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Params for choice `choice` (0..n-1): with a seed, choice i draws with seed + i, so the
@@ -196,6 +210,7 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             structured_outputs=self.constraint(),
+            logit_bias=self._logit_bias(),
             **set_fields,
         )
 

@@ -125,6 +125,16 @@ def apply_penalties(
     return logits.clamp(-big, big)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits (a new tensor; rows without one unchanged)."""
+    rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+    ids = [t for p in params for t, _ in p.logit_bias]
+    values = [v for p in params for _, v in p.logit_bias]
+    dev = logits.device
+    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                            torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+
+
 def _bincount_rows(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     counts = torch.zeros(len(rows), vocab, device=device)
     lengths = [len(r) for r in rows]
@@ -174,8 +184,10 @@ class Sampler:
         prompts: list[list[int]],
         outputs: list[list[int]],
     ) -> torch.Tensor:
-        """Logits after penalties (given each row's prompt and output so far), temperature and
-        filters: what tokens are drawn from. Greedy rows are left unscaled."""
+        """Logits after logit bias, penalties (given each row's prompt and output so far),
+        temperature and filters: what tokens are drawn from. Greedy rows are left unscaled."""
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, prompts, outputs, params)
         if not all(p.greedy or p.temperature == 1.0 for p in params):
