@@ -9,7 +9,8 @@ plain, or a control step the guard makes plain when none came for a while) and o
 (their whole time, drafting included, over every token they emitted, accepted and bonus). While
 drafted steps deliver a token for fewer seconds than plain ones the controller decides as before;
 once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
-steps), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
+steps), or emit no more tokens than requests (every draft rejected, whatever the clock says under
+load), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
 for a probe now and then (after `probe_after` steps, doubling after every probe that loses, up to
 `probe_max`), a step on which every decode drafts (the controller's choice, at least one node
 each); a probe that pays turns the bucket back on.
@@ -69,6 +70,7 @@ class _Bucket:
     plain: _Average = field(default_factory=_Average)  # seconds per token of plain steps
     seconds: _Average = field(default_factory=_Average)  # of drafted steps
     tokens: _Average = field(default_factory=_Average)  # emitted by drafted steps
+    rows: _Average = field(default_factory=_Average)  # requests emitting in drafted steps
     off: bool = False
     last_plain: int = -(1 << 30)  # step number of the last plain step measured here
     wait: int = 0  # steps between probes now
@@ -78,6 +80,12 @@ class _Bucket:
     def gain(self) -> float:
         """Plain seconds per token over drafted seconds per token (> 1: drafts pay)."""
         return self.plain.value * self.tokens.value / self.seconds.value
+
+    def pays(self, at_least: float) -> bool:
+        """Whether drafted steps deliver at least `at_least` x plain's tokens per second, and
+        some tokens beyond one per request at all: a step whose drafts were all rejected cannot
+        have paid, however its time compares under a noisy clock."""
+        return self.gain() >= at_least and self.tokens.value > 1.01 * self.rows.value
 
 
 @dataclass(frozen=True)
@@ -114,9 +122,9 @@ class GoodputGuard:
         return Mode.DRAFT
 
     def record(self, key: tuple[int, int], mode: Mode, step_no: int, drafted: bool, seconds: float,
-               tokens: int) -> None:
-        """A step at `key`, run in `mode`, took `seconds` and emitted `tokens` (drafted: it verified
-        at least one draft node)."""
+               tokens: int, rows: int) -> None:
+        """A step at `key`, run in `mode`, took `seconds` and emitted `tokens` for `rows` requests
+        (drafted: it verified at least one draft node)."""
         if tokens <= 0 or seconds <= 0:
             return
         c = self.config
@@ -131,16 +139,17 @@ class GoodputGuard:
             return
         b.seconds.add(seconds, c.decay)
         b.tokens.add(tokens, c.decay)
+        b.rows.add(rows, c.decay)
         if mode is Mode.PROBE:
             self._count(probes=1)
-            if b.gain() >= 1.0:
+            if b.pays(1.0):
                 b.off, b.on_since = False, 0
                 self._count(turned_on=1, buckets_off=-1)
             else:
                 self._back_off(b, step_no)
             return
         b.on_since += 1
-        if b.seconds.steps >= c.min_steps and b.gain() < 1.0 - c.margin:
+        if b.seconds.steps >= c.min_steps and not b.pays(1.0 - c.margin):
             self._back_off(b, step_no)
             b.off = True
             self._count(turned_off=1, buckets_off=1)
@@ -166,7 +175,7 @@ class GoodputGuard:
         c = self.config
         b.wait = min(max(b.wait * 2, c.probe_after), c.probe_max)
         b.next_probe = step_no + b.wait
-        b.seconds, b.tokens = _Average(), _Average()  # judged afresh by the next probe
+        b.seconds, b.tokens, b.rows = _Average(), _Average(), _Average()  # judged afresh by the next probe
 
     def _count(self, **deltas: int) -> None:
         s = self._stats

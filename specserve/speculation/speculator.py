@@ -556,8 +556,9 @@ class Speculator:
         self._grants.update(step.grants)
         if step.guard is not None and self.guard is not None:
             drafted = any(r.drafted is not None or r.forced is not None for r in step.rows.values())
-            emitted = sum(len(r.verdict.tokens) for r in step.rows.values() if r.ok)  # type: ignore[union-attr]
-            self.guard.record(step.guard[0], step.guard[1], self._step_no, drafted, seconds, emitted)
+            done = [r for r in step.rows.values() if r.ok]
+            emitted = sum(len(r.verdict.tokens) for r in done)  # type: ignore[union-attr]
+            self.guard.record(step.guard[0], step.guard[1], self._step_no, drafted, seconds, emitted, len(done))
         deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
                                         forced_drafted=sum(r.forced[1] for r in step.rows.values() if r.forced),
                                         forced_accepted=forced_accepted)
