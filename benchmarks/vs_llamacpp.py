@@ -96,27 +96,10 @@ def chat(port: int, prompt: str, max_tokens: int) -> float:
     return seconds
 
 
-def answered_chat(port: int, prompt: str, max_tokens: int) -> tuple[float, int]:
-    """Seconds and completion tokens of one greedy chat completion, answered to its end."""
+def _completion(port: int, prompt: str, max_tokens: int, **extra: object) -> tuple[float, dict]:
+    """Seconds and the parsed answer of one greedy, non-streamed chat completion."""
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    start = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    data = resp.read()
-    seconds = time.perf_counter() - start
-    conn.close()
-    if resp.status != 200:
-        raise RuntimeError(f"port {port}: HTTP {resp.status}: {data[:200]!r}")
-    return seconds, int(json.loads(data)["usage"]["completion_tokens"])
-
-
-def structured_chat(port: int, prompt: str, schema: dict, max_tokens: int) -> tuple[float, int, str]:
-    """Seconds, completion tokens and text of one chat completion held to `schema`."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "response_format": {"type": "json_schema",
-                                                             "json_schema": {"name": "answer", "schema": schema}}})
+                       "temperature": 0, **extra})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -126,7 +109,19 @@ def structured_chat(port: int, prompt: str, schema: dict, max_tokens: int) -> tu
     conn.close()
     if resp.status != 200:
         raise RuntimeError(f"port {port}: HTTP {resp.status}: {data[:300]!r}")
-    answer = json.loads(data)
+    return seconds, json.loads(data)
+
+
+def answered_chat(port: int, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """Seconds and completion tokens of one greedy chat completion, answered to its end."""
+    seconds, answer = _completion(port, prompt, max_tokens)
+    return seconds, int(answer["usage"]["completion_tokens"])
+
+
+def structured_chat(port: int, prompt: str, schema: dict, max_tokens: int) -> tuple[float, int, str]:
+    """Seconds, completion tokens and text of one chat completion held to `schema`."""
+    seconds, answer = _completion(port, prompt, max_tokens, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     return seconds, int(answer["usage"]["completion_tokens"]), answer["choices"][0]["message"]["content"]
 
 
