@@ -258,12 +258,13 @@ class Speculator:
         if len(self._active) == 1:
             return next(iter(self._active))
         rid = request.view.request_id
+        return max(self._active, key=lambda name: self._worth(name, rid, request.budget))
 
-        def worth(name: str) -> float:
-            a = self.acceptance
-            return a.proposes(name, rid) * sum(a.chain_values(name, rid, request.budget))
-
-        return max(self._active, key=worth)
+    def _worth(self, name: str, request_id: str, nodes: int) -> float:
+        """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
+        proposes anything times its chain's expected accepted nodes, by measured acceptance."""
+        a = self.acceptance
+        return a.proposes(name, request_id) * sum(a.chain_values(name, request_id, nodes))
 
     def _grant(self, offers: list[_Offer], base: StepShape, rows: int) -> None:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
@@ -358,8 +359,7 @@ class Speculator:
         names = self._lookups()
         if self._step_no % self.ASK_ANYWAY == 0:
             return names
-        a = self.acceptance
-        worth = {n: a.proposes(n, o.rid) * sum(a.chain_values(n, o.rid, o.grant)) for n in names}
+        worth = {n: self._worth(n, o.rid, o.grant) for n in names}
         top = max(worth.values())
         return [n for n in names if worth[n] >= self.WORTH_SHARE * top or n == o.name]
 
