@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The chosen token's log-probability and the top alternatives (token id, logprob)."""
+    """The chosen token's log-probability, the top alternatives (token id, logprob), and the chosen
+    token's rank in the distribution (1: the most likely; ties share the better rank)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int = 1
 
 
 @dataclass
@@ -80,6 +82,8 @@ class TokenDelta:
     finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None
+    # with the request's first delta, when it asked for prompt logprobs: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
     error: str | None = None  # with finish_reason "error": what went wrong for this request alone
+    # prompt_logprobs asked: each prompt token's logprob and top alternatives (None for the first token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def tokens_per_s(self) -> float | None:

@@ -99,7 +99,10 @@ class SamplingParams:
     those filters. Penalties follow the OpenAI (presence, frequency: over the
     output so far) and CTRL/transformers (repetition: over prompt and output)
     definitions. `logprobs=n` returns the sampled token's log-probability and
-    the n most likely alternatives under the model's raw distribution.
+    the n most likely alternatives under the model's raw distribution; `prompt_logprobs=n` the same
+    for every prompt token after the first (computed in the prefill; such a request does not read
+    the prefix cache, whose blocks hold K/V but no logits). `max_tokens=0` computes the prompt and
+    ends ("length") without generating: for scoring with `prompt_logprobs`.
     `logit_bias` (token id -> bias in [-100, 100], a dict or (id, bias) pairs) is added to the
     logits before penalties, temperature and filters, as the OpenAI API and vLLM add it; -100
     bans a token in practice, +100 all but forces it.
@@ -121,6 +124,7 @@ class SamplingParams:
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias or ()
@@ -143,8 +147,8 @@ class SamplingParams:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(name, msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise bad("max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -169,6 +173,11 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "every stop string must be a non-empty string")
         if any(t < 0 for t in self.stop_token_ids):

@@ -138,7 +138,7 @@ def test_logprobs_are_raw_model_logprobs() -> None:
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(max_tokens=-3), "max_tokens"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),

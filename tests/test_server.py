@@ -252,6 +252,41 @@ def test_logprobs(server: Server) -> None:
     assert tokens == [e.token for e in content]
 
 
+def test_echo_scores_the_prompt_as_the_engine_does(server: Server, llm: LLM) -> None:
+    """What scoring harnesses send: `echo` with `logprobs` and max_tokens 0 or 1 (text and token-id
+    prompts), and vLLM's `prompt_logprobs`: the prompt comes back with each token's logprob, the
+    first one null, equal to the engine's own scoring; streams start with the prompt."""
+    text = "The quick brown fox"
+    ids = llm.tokenizer(text).input_ids
+    ref = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
+    want = [None] + [e.logprob for e in ref[1:]]
+    for prompt in (text, ids):
+        res = server.openai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        choice = res.choices[0]
+        assert choice.text == text and choice.finish_reason == "length" and res.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+        assert "".join(lp.tokens) == text and len(lp.tokens) == len(ids)
+        assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    one = server.openai.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True, logprobs=0,
+                                           temperature=0)
+    lp = one.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and one.choices[0].text.startswith(text)
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want[1:], abs=1e-4)
+    vllm = server.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1,
+                                                     "temperature": 0}).json()["choices"][0]
+    assert vllm["prompt_logprobs"][0] is None and vllm["text"] == one.choices[0].text[len(text):]
+    for entry, token, value in zip(vllm["prompt_logprobs"][1:], ids[1:], want[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-4) and entry[str(token)]["rank"] >= 1
+        assert any(v["rank"] == 1 for v in entry.values())
+    streamed = list(server.openai.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True,
+                                                     temperature=0, stream=True))
+    assert streamed[0].choices[0].text.startswith(text)
+    assert "".join(c.choices[0].text for c in streamed) == text + llm.generate(
+        ids, greedy(3), use_tqdm=False)[0].text
+
+
 def test_tokenize_and_detokenize(server: Server, llm: LLM) -> None:
     """/v1/tokenize gives the ids the engine uses (plain prompt, or chat template for messages);
     /v1/detokenize turns ids back into text."""

@@ -30,15 +30,17 @@ from specserve.engine.step import StepRow, step_rows
 from specserve.errors import InvalidRequestError
 from specserve.model.attention import make_backend
 from specserve.model.llama import LlamaForCausalLM
-from specserve.outputs import DraftCounters, RequestMetrics, TokenDelta
+from specserve.outputs import DraftCounters, RequestMetrics, TokenDelta, TokenLogprob
 from specserve.sampling_params import SamplingParams
 from specserve.speculation.config import SpeculativeConfig
 from specserve.speculation.controller import StepShape
 from specserve.speculation.drafter import DraftRequest, RequestView
+from specserve.speculation.sampler import token_logprobs
 from specserve.speculation.speculator import Decode, SampleItem, SpeculationStats, Speculator
 from specserve.structured import GrammarCompiler
 
 logger = logging.getLogger("specserve.engine")
+PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into log-probabilities at once (bounds the float32 copy)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,10 @@ class EngineCore:
         out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden)
         for i, row in enumerate(rows):
             row.tree, row.logits = drafts.get(i), out.rows[i]
+            if row.item.prompt_logprobs:  # every row of the chunk: prompt logprobs, then the last one samples
+                first, count = out.rows[i]  # type: ignore[misc]
+                self._prompt_logprobs(row.seq, out.logits[first : first + count])
+                row.logits = (first + count - 1, 1) if row.item.samples else None
             row.hidden_offset = out.offsets[i] if out.offsets else 0
         verdicts = self.speculator.verify(
             [SampleItem(i, row.seq, row.logits) for i, row in enumerate(rows) if row.logits is not None], drafts, out.logits)
@@ -173,9 +179,12 @@ class EngineCore:
         if row.failed:
             return self._fail(row.seq, row.verdict.error)  # type: ignore[union-attr]
         try:
+            prompt_only = row.item.completes_prompt_only  # before the commit moves num_computed_tokens
             self._commit(row)
             # before the emit: a request that ends in this step still publishes its computed blocks
             self.blocks.register_full_blocks(row.seq)
+            if prompt_only:
+                return self._finish_prompt_only(row.seq)
             return self._emit(row) if row.verdict is not None else None
         except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
             logger.exception("request %s failed in its commit or emit", row.seq.request_id)
@@ -256,7 +265,31 @@ class EngineCore:
             del self._requests[seq.request_id]
             self._drafter_finish(seq)
         return TokenDelta(seq.request_id, seq.output_token_ids[n_tokens:], seq.logprobs[n_logprobs:], reason,
-                          request_metrics(seq))
+                          request_metrics(seq), prompt_logprobs=self._prompt_out(seq) if n_tokens == 0 else None)
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens a chunk's logits predict (row r: the token after
+        the chunk's r-th), under the model's raw distribution, as generated tokens' logprobs are."""
+        start, prompt = seq.num_computed_tokens, seq.prompt_token_ids
+        rows = [r for r in range(len(logits)) if start + r + 1 < len(prompt) and start + r + 1 > len(seq.prompt_logprobs)]
+        k = seq.params.prompt_logprobs
+        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):  # a [rows, vocab] float32 copy at a time
+            part = rows[lo : lo + PROMPT_LOGPROB_ROWS]
+            raw = torch.log_softmax(logits[part].float(), dim=-1)
+            seq.prompt_logprobs.extend(token_logprobs(raw, [prompt[start + r + 1] for r in part], [k] * len(part)))  # type: ignore[arg-type]
+
+    def _finish_prompt_only(self, seq: Sequence) -> TokenDelta:
+        """End a max_tokens-0 request once its prompt is computed (its prompt logprobs go with it)."""
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq, "length")
+        del self._requests[seq.request_id]
+        self._drafter_finish(seq)
+        return TokenDelta(seq.request_id, [], [], "length", request_metrics(seq), prompt_logprobs=self._prompt_out(seq))
+
+    @staticmethod
+    def _prompt_out(seq: Sequence) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs as a caller gets them: None for the first token, which nothing predicts."""
+        return None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
 
     def _fail(self, seq: Sequence, error: str) -> TokenDelta:
         """End the request alone with finish_reason "error": its blocks are freed, the batch goes on."""

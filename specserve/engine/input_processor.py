@@ -37,7 +37,7 @@ class InputProcessor:
         """The request as a sequence; InvalidRequestError naming the field when it cannot run."""
         ids = self.encoder.prompt(prompt_token_ids)  # checked against the vocabulary
         limit = self.max_model_len
-        if len(ids) >= limit:
+        if len(ids) > limit or (len(ids) == limit and params.max_tokens > 0):
             raise InvalidRequestError(
                 "prompt", f"{len(ids)} tokens leave no room to generate within the context of {limit} tokens"
             )

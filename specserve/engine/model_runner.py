@@ -62,7 +62,8 @@ class ModelRunner:
         drafts maps an index into `batch` to that request's draft tree. Returns float32 logits, the
         hidden states they came from, and per batch item (first row, number of rows) into them, or
         None when the item does not sample this step: one row for a plain step, 1 + len(tree) rows
-        (root, then each node) for a step carrying a draft. `all_hidden`: also every new token's
+        (root, then each node) for a step carrying a draft, one per token for a prefill chunk whose
+        prompt logprobs are asked (`ScheduledSeq.prompt_logprobs`). `all_hidden`: also every new token's
         hidden state (for drafters that learn from them).
         """
         drafts = drafts or {}
@@ -81,7 +82,7 @@ class ModelRunner:
             else:
                 items.append(ForwardItem(
                     seq.block_table, start, seq.token_slice(start, start + sched.num_new_tokens),
-                    logits="last" if sched.samples else "none",
+                    logits="all" if sched.prompt_logprobs else "last" if sched.samples else "none",
                 ))
         return self.run(items, all_hidden=all_hidden)
 

@@ -31,6 +31,7 @@ class RequestState:
     holdback: int  # characters kept back while a stop string may be forming
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     text: str = ""
     emitted_text_len: int = 0
     emitted_tokens: int = 0
@@ -80,6 +81,10 @@ class OutputProcessor:
 def _append(req: RequestState, delta: TokenDelta) -> None:
     """Append a delta's tokens one by one, stopping at the first stop condition: an end-of-sequence
     id (not text), a stop string (the text cut there), or the core's reason at its last token."""
+    if delta.prompt_logprobs is not None:
+        req.prompt_logprobs = delta.prompt_logprobs
+    if not delta.new_token_ids and delta.finish_reason is not None:  # max_tokens 0: the prompt only
+        req.finish_reason = delta.finish_reason
     logprobs = iter(delta.new_logprobs)
     last = len(delta.new_token_ids) - 1
     for i, token in enumerate(delta.new_token_ids):
@@ -143,4 +148,5 @@ def _output(req: RequestState, new_text: str, new_ids: list[int], text: str, met
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         error=error,
         metrics=metrics,
+        prompt_logprobs=req.prompt_logprobs,
     )

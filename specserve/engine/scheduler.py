@@ -29,8 +29,20 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, so the next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this step reaches the end of the sequence, so the next token is sampled (never for
+        a request with max_tokens 0, which only computes its prompt)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens and self.seq.params.max_tokens > 0
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether this step computes prompt tokens whose logprobs the request still needs (then
+        every token of the chunk gets logits)."""
+        return self.draft_budget == 0 and self.seq.wants_prompt_logprobs
+
+    @property
+    def completes_prompt_only(self) -> bool:
+        """Whether this step ends a max_tokens-0 request's prompt: it finishes without a token."""
+        return self.seq.params.max_tokens == 0 and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -94,7 +106,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            cached = self.blocks.match_prefix(seq.token_ids())
+            # prompt logprobs need every prompt token's logits: cached K/V has none
+            cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids())
             computed = len(cached) * self.blocks.block_size
             n = self._chunk(seq.num_tokens - computed, budget)
             if n == 0 or not self.blocks.can_admit(cached, computed + n):

@@ -32,6 +32,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... (when asked)
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -56,6 +57,11 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's logprob is still to compute."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

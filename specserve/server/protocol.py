@@ -128,6 +128,7 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -184,6 +185,10 @@ class _SamplingFields(_Body):
             out[token] = value
         return out
 
+    def _prompt_logprobs(self) -> int | None:
+        """How many alternatives the engine computes for each prompt token (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
     def _sampling_params(self, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Params for choice `choice` (0..n-1): with a seed, choice i draws with seed + i, so the
         choices differ and each reproduces."""
@@ -211,6 +216,7 @@ class _SamplingFields(_Body):
             logprobs=logprobs,
             structured_outputs=self.constraint(),
             logit_bias=self._logit_bias(),
+            prompt_logprobs=self._prompt_logprobs(),
             **set_fields,
         )
 
@@ -230,8 +236,6 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo", "is not supported")
         if self.suffix:
             raise InvalidRequestError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -249,6 +253,13 @@ class CompletionRequest(_SamplingFields):
         if not out:
             raise InvalidRequestError("prompt", "must not be empty")
         return out
+
+    def _prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens come back with their logprobs, as OpenAI's legacy
+        completions and vLLM return them (with vLLM's prompt_logprobs too, the larger k)."""
+        echoed = self.logprobs if self.echo else None
+        asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(asked) if asked else None
 
     def sampling_params(self, choice: int) -> SamplingParams:
         # OpenAI's default for completions is 16 tokens.

@@ -130,6 +130,8 @@ class Job:
     logprobs: bool
     rename: dict[str, str]  # engine field name -> this endpoint's name for it
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: tuple[str, ...] | None = None  # completions with echo: each prompt's text, put before its choices' text
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in each choice
 
     def index_of(self) -> dict[str, int]:
         return {r.request_id: i for i, r in enumerate(self.requests)}
@@ -156,6 +158,10 @@ def _new_logprobs(out: RequestOutput) -> list[TokenLogprob]:
     return out.logprobs[len(out.token_ids) - len(out.new_token_ids) :]
 
 
+def _pairs(lps: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+    return [(lp.token_id, lp) for lp in lps]
+
+
 def chunk_envelope(job: Job, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     """The fields every stream chunk of `job` carries around its choices."""
     return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices}
@@ -173,39 +179,75 @@ class Format(Protocol):
     def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None: ...
 
 
+def vllm_prompt_logprobs(texts: TokenTexts, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) a dict from token id to its
+    logprob, rank and text: the prompt's own token and the top alternatives."""
+    if out.prompt_logprobs is None:
+        return None
+    result: list[dict[str, Any] | None] = []
+    for lp in out.prompt_logprobs:
+        if lp is None:
+            result.append(None)
+            continue
+        entry = {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": texts.text(t)}
+                 for r, (t, v) in enumerate(lp.top, start=1)}
+        entry[str(lp.token_id)] = {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": texts.text(lp.token_id)}
+        result.append(entry)
+    return result
+
+
 class CompletionFormat:
     """/v1/completions: `text_completion` objects; logprobs as tokens / token_logprobs /
-    top_logprobs / text_offset."""
+    top_logprobs / text_offset. With echo, a choice's text (and its logprobs, the first token's
+    null) starts with its prompt's: in the response, or in a stream's first chunk of the choice."""
 
     chunk_object = "text_completion"
 
     def __init__(self, texts: TokenTexts) -> None:
         self._texts = texts
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token (streams)
+        self._echoed: set[int] = set()  # choices whose prompt a stream has sent
 
-    def _logprobs(self, job: Job, index: int, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, job: Job, index: int, lps: list[tuple[int, TokenLogprob | None]]) -> dict[str, Any] | None:
+        """(token id, its logprob or None) pairs in the legacy completions shape."""
         if not job.logprobs:
             return None
+        k = job.requests[index].params.logprobs or 0
         offset = self._offsets.get(index, 0)
-        tokens = [self._texts.text(lp.token_id) for lp in lps]
-        offsets = []
-        for t in tokens:
+        tokens, offsets, values, tops = [], [], [], []
+        for token, lp in lps:
+            text = self._texts.text(token)
+            tokens.append(text)
             offsets.append(offset)
-            offset += len(t)
+            offset += len(text)
+            values.append(None if lp is None else _finite(lp.logprob))
+            tops.append(None if lp is None else {self._texts.text(t): _finite(v) for t, v in lp.top[:k]})
         self._offsets[index] = offset
-        return {
-            "tokens": tokens,
-            "token_logprobs": [_finite(lp.logprob) for lp in lps],
-            "top_logprobs": [{self._texts.text(t): _finite(v) for t, v in lp.top} for lp in lps],
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo(self, job: Job, index: int, out: RequestOutput) -> tuple[str, list[tuple[int, TokenLogprob | None]]]:
+        """The prompt's text and logprobs a choice starts with ("" and [] without echo); the first
+        prompt token's logprob is None: nothing predicts it."""
+        if job.echo is None:
+            return "", []
+        text = job.echo[job.prompt_of[index]]
+        if not job.logprobs:
+            return text, []
+        return text, list(zip(out.prompt_token_ids, out.prompt_logprobs or []))
+
+    def _choice(self, job: Job, index: int, out: RequestOutput, text: str,
+                lps: list[tuple[int, TokenLogprob | None]], final: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(job, index, lps),
+                                  "finish_reason": out.finish_reason if final else None}
+        if job.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, out)
+        return choice
 
     def response(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
-        choices = [
-            {"index": i, "text": o.text, "logprobs": self._logprobs(job, i, o.logprobs or []),
-             "finish_reason": o.finish_reason}
-            for i, o in enumerate(finals)
-        ]
+        choices = []
+        for i, o in enumerate(finals):
+            echo_text, echo_lps = self._echo(job, i, o)
+            choices.append(self._choice(job, i, o, echo_text + o.text, [*echo_lps, *_pairs(o.logprobs or [])], True))
         return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
                 "choices": choices, "usage": job.usage(dict(enumerate(finals)))}
 
@@ -213,12 +255,13 @@ class CompletionFormat:
         return []
 
     def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None:
-        if not (out.new_text or out.finished or (job.logprobs and out.new_token_ids)):
+        first = index not in self._echoed
+        if not (out.new_text or out.finished or (job.logprobs and out.new_token_ids) or (first and job.echo)):
             return None
-        choice = {"index": index, "text": out.new_text,
-                  "logprobs": self._logprobs(job, index, _new_logprobs(out)),
-                  "finish_reason": out.finish_reason if out.finished else None}
-        return self._envelope(job, [choice])
+        self._echoed.add(index)
+        echo_text, echo_lps = self._echo(job, index, out) if first else ("", [])
+        return self._envelope(job, [self._choice(job, index, out, echo_text + out.new_text,
+                                                 [*echo_lps, *_pairs(_new_logprobs(out))], out.finished)])
 
     def _envelope(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return chunk_envelope(job, self.chunk_object, choices)
@@ -249,6 +292,9 @@ class ChatFormat:
              "logprobs": self._logprobs(job, o.logprobs or []), "finish_reason": o.finish_reason}
             for i, o in enumerate(finals)
         ]
+        if job.prompt_logprobs:
+            for choice, o in zip(choices, finals):
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, o)
         return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
                 "choices": choices, "usage": job.usage(dict(enumerate(finals)))}
 
@@ -454,6 +500,8 @@ async def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
         ctx.check_choices(len(texts), body.n)
         params = [body.sampling_params(i) for i in range(body.n)]
         prompts = [await ctx.encode(ctx.prompts.prompt, p) for p in texts]
+        echo = None if not body.echo else tuple(
+            [p if isinstance(p, str) else await ctx.encode(ctx.prompts.decode, p, "prompt") for p in texts])
     except InvalidRequestError as e:
         raise APIError.invalid(e) from None
     job_id = _request_id("cmpl")
@@ -464,7 +512,7 @@ async def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
             requests.append(EngineRequest(f"{job_id}-{len(requests)}", prompt, params[i]))
             prompt_of.append(p)
     return Job(job_id, body.model or ctx.served_model_name, requests, prompt_of, body.stream, body.include_usage,
-               body.logprobs is not None, {})
+               body.logprobs is not None, {}, echo=echo, prompt_logprobs=body.prompt_logprobs is not None)
 
 
 async def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
@@ -481,4 +529,4 @@ async def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
     job_id = _request_id("chatcmpl")
     requests = [EngineRequest(f"{job_id}-{i}", prompt, params[i]) for i in range(body.n)]
     return Job(job_id, body.model or ctx.served_model_name, requests, [0] * body.n, body.stream, body.include_usage,
-               body.logprobs, rename)
+               body.logprobs, rename, prompt_logprobs=body.prompt_logprobs is not None)

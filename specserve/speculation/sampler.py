@@ -263,12 +263,15 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int | None]
     (None for rows that did not ask)."""
     k = max((n or 0) for n in top_n)
     top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
-    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+    chosen_t = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])
+    ranks = ((raw > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
     out: list[TokenLogprob | None] = []
     for row, n in enumerate(top_n):
         if n is None:
             out.append(None)
         else:
-            out.append(TokenLogprob(tokens[row], chosen[row], tuple(zip(top_ids_l[row][:n], top_vals_l[row][:n]))))
+            top = tuple(zip(top_ids_l[row][:n], top_vals_l[row][:n]))
+            out.append(TokenLogprob(tokens[row], chosen[row], top, ranks[row]))
     return out
