@@ -25,8 +25,10 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids for a conversation, ending with the assistant's turn prompt."""
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids for a conversation, ending with the assistant's turn prompt; `tools` (OpenAI's
+    function definitions) go to a template that renders them."""
     if not messages:
         raise InvalidRequestError("messages", "must contain at least one message")
     for i, m in enumerate(messages):
@@ -34,7 +36,8 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[
             raise InvalidRequestError(f"messages[{i}]", "each message needs 'role' and 'content'")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -70,13 +73,13 @@ class PromptEncoder:
         self.check_token_ids(ids)
         return ids
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation's token ids through the model's chat template, ending with the assistant's
-        turn prompt."""
+        turn prompt (with `tools` for a template that renders them)."""
         if self.tokenizer is None:
             raise InvalidRequestError("messages", "this model has no tokenizer")
         try:
-            return list(apply_chat_template(self.tokenizer, messages))
+            return list(apply_chat_template(self.tokenizer, messages, tools))
         except InvalidRequestError:
             raise
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation (jinja raise_exception)

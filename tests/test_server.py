@@ -351,8 +351,30 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    # tools: a schema the grammar engine cannot compile, a tool_choice naming no given function, ...
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                  "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}]},
+     400, "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}},
+                                        {"type": "function", "function": {"name": "f"}}]},
+     400, "tools[1].function.name"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400, "tools[0].type"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": "{not json"}}]}]},
+     400, "messages[0].tool_calls[0].function.arguments"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("/v1/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/v1/no-such-endpoint", {}, 404, None),
     # structured outputs: a constraint that does not compile is a 400 naming the field it came in
@@ -426,6 +448,56 @@ def test_structured_outputs_over_http(server: Server, spec_server: Server) -> No
         picked = "".join(c.choices[0].text for c in stream if c.choices)
         assert picked in ("red", "green")
         answers[name] = (chat.choices[0].message.content, done.choices[0].text, regex.choices[0].text, picked)
+    assert answers["spec"] == answers["plain"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                                    "celsius": {"type": "boolean"}},
+                   "required": ["city", "celsius"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_over_http(server: Server, spec_server: Server) -> None:
+    """tool_choice required and named: the answer is calls whose arguments follow the function's
+    schema, finish_reason "tool_calls"; a stream gives the same calls as delta.tool_calls; the
+    speculating server's greedy answers are the plain server's; a conversation carrying the call
+    and the tool's result goes on."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    answers: dict[str, list[Any]] = {}
+    for name, srv in (("plain", server), ("spec", spec_server)):
+        got = []
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            res = srv.openai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                                     tool_choice=choice, temperature=0, max_tokens=120,
+                                                     parallel_tool_calls=False)
+            c = res.choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+            for call in c.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                assert call.id and call.type == "function"
+            if isinstance(choice, dict):
+                assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
+            chunks = list(srv.openai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                                             tool_choice=choice, temperature=0, max_tokens=120,
+                                                             parallel_tool_calls=False, stream=True))
+            streamed = [(d.function.name, d.function.arguments) for ch in chunks if ch.choices
+                        for d in (ch.choices[0].delta.tool_calls or [])]
+            assert streamed == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            got.append(streamed)
+        call = res.choices[0].message.tool_calls[0]
+        follow = srv.openai.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[CLOCK],
+                                                    messages=[*messages, res.choices[0].message.model_dump(exclude_none=True),
+                                                              {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+        assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        answers[name] = got
     assert answers["spec"] == answers["plain"]
 
 

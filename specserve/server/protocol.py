@@ -2,17 +2,20 @@
 
 Types are checked here (a wrong type is a 400 naming the field); ranges are checked by
 `SamplingParams`, whose InvalidRequestError names the field too. Unknown fields are ignored, as
-the OpenAI API and vLLM do; fields we cannot honour (tools, ...) are rejected.
+the OpenAI API and vLLM do; fields we cannot honour (suffix, ...) are rejected.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
+from specserve.server.tools import CallSyntax, Function, ToolPlan, check_schema
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -189,7 +192,8 @@ class _SamplingFields(_Body):
         """How many alternatives the engine computes for each prompt token (None: no prompt logprobs)."""
         return self.prompt_logprobs
 
-    def _sampling_params(self, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, choice: int, max_tokens: int, logprobs: int | None,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """Params for choice `choice` (0..n-1): with a seed, choice i draws with seed + i, so the
         choices differ and each reproduces."""
         set_fields: dict[str, Any] = {
@@ -214,7 +218,7 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
-            structured_outputs=self.constraint(),
+            structured_outputs=constraint or self.constraint(),
             logit_bias=self._logit_bias(),
             prompt_logprobs=self._prompt_logprobs(),
             **set_fields,
@@ -271,15 +275,29 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class CalledFunction(_Body):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Body):
+    id: str | None = None
+    type: StrictStr = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def to_template(self, index: int) -> dict[str, Any]:
-        """The message as the chat template sees it: role and text content."""
+        """The message as the chat template sees it: role and text content, an assistant's tool
+        calls (arguments as objects, as templates render them), a tool result's call id."""
         if isinstance(self.content, list):
             for part in self.content:
                 if part.type != "text" or part.text is None:
@@ -290,7 +308,46 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [self._call(index, j, c) for j, c in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+    @staticmethod
+    def _call(index: int, j: int, call: MessageToolCall) -> dict[str, Any]:
+        args: Any = call.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise InvalidRequestError(f"messages[{index}].tool_calls[{j}].function.arguments",
+                                          "is not valid JSON") from None
+        return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+
+
+class FunctionDef(_Body):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: StrictStr = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: StrictStr = "function"
+    function: NamedFunction
+
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -301,14 +358,74 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: StrictStr | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise InvalidRequestError("tools", "tool calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if limit is not None and limit < 1:  # 0 scores a prompt: a completions feature (echo, prompt_logprobs)
+            raise InvalidRequestError(self.max_tokens_field, f"must be an integer >= 1, got {limit}")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise InvalidRequestError("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise InvalidRequestError("tool_choice", "needs tools")
+            return
+        names: set[str] = set()
+        for i, tool in enumerate(self.tools):
+            if tool.type != "function":
+                raise InvalidRequestError(f"tools[{i}].type", f"must be 'function', got {tool.type!r}")
+            name = tool.function.name
+            if not TOOL_NAME.match(name):
+                raise InvalidRequestError(f"tools[{i}].function.name",
+                                          "must be 1-64 letters, digits, underscores, dots or dashes")
+            if name in names:
+                raise InvalidRequestError(f"tools[{i}].function.name", f"{name!r} is given twice")
+            names.add(name)
+            schema = self._parameters(tool)
+            check_schema(schema, f"tools[{i}].function.parameters")
+            if tool.function.strict and (problem := strict_schema_problem(schema)) is not None:
+                raise InvalidRequestError(f"tools[{i}].function.parameters", f"with strict: true, {problem}")
+        if isinstance(choice, NamedToolChoice):
+            if choice.type != "function":
+                raise InvalidRequestError("tool_choice.type", f"must be 'function', got {choice.type!r}")
+            if choice.function.name not in names:
+                raise InvalidRequestError("tool_choice", f"names function {choice.function.name!r}, which is not in tools")
+        if self.tool_choice != "none" and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise InvalidRequestError("tool_choice", "cannot be combined with response_format or structured_outputs; "
+                                                     "set tool_choice to 'none'")
+
+    @staticmethod
+    def _parameters(tool: ToolDef) -> dict[str, Any]:
+        return tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
+
+    def tool_plan(self, syntax: CallSyntax, special: frozenset[str] = frozenset()) -> ToolPlan | None:
+        """How calls are constrained (None: no tools, or tool_choice 'none'); after check_supported."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        functions = tuple(Function(t.function.name, self._parameters(t), t.function.description) for t in self.tools)
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            named = tuple(f for f in functions if f.name == choice.function.name)
+            return ToolPlan(named, "function", False, syntax, special)
+        return ToolPlan(functions, choice or "auto", self.parallel_tool_calls, syntax, special)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates render them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": {k: v for k, v in (
+            ("name", t.function.name), ("description", t.function.description),
+            ("parameters", self._parameters(t))) if v is not None}} for t in self.tools]
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
@@ -317,11 +434,12 @@ class ChatCompletionRequest(_SamplingFields):
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def sampling_params(self, choice: int, context_len: int) -> SamplingParams:
+    def sampling_params(self, choice: int, context_len: int, tools: ToolPlan | None = None) -> SamplingParams:
         # Like vLLM: without a limit, generate up to the context (the engine caps prompt + output there).
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(choice, context_len if limit is None else limit, logprobs)
+        return self._sampling_params(choice, context_len if limit is None else limit, logprobs,
+                                     None if tools is None else tools.constraint())
 
 
 class TokenizeRequest(_Body):

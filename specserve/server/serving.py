@@ -27,6 +27,9 @@ from specserve.server.engine_loop import (
 from specserve.server.errors import APIError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.tools import (
+    ToolCallParser, ToolPlan, fallback_messages, parse_tool_calls, special_markers, syntax_for,
+)
 from specserve.tokenizer import PromptEncoder
 
 logger = logging.getLogger("specserve.server")
@@ -132,6 +135,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     echo: tuple[str, ...] | None = None  # completions with echo: each prompt's text, put before its choices' text
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in each choice
+    tools: ToolPlan | None = None  # chat with tools: calls are parsed out of the text
 
     def index_of(self) -> dict[str, int]:
         return {r.request_id: i for i, r in enumerate(self.requests)}
@@ -268,12 +272,33 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs.content entries."""
+    """/v1/chat/completions: `chat.completion(.chunk)` objects; logprobs.content entries. With
+    tools, the model's calls leave its text as `message.tool_calls` (streamed as `delta.tool_calls`,
+    one entry per call once its arguments are complete), and a choice that called ends with
+    finish_reason "tool_calls"."""
 
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, texts: TokenTexts) -> None:
         self._texts = texts
+        self._parsers: dict[int, ToolCallParser] = {}  # streams with tools: one per choice
+
+    @staticmethod
+    def _names(plan: ToolPlan) -> frozenset[str]:
+        return frozenset(f.name for f in plan.functions)
+
+    @staticmethod
+    def _finish_reason(out: RequestOutput, called: bool) -> str | None:
+        return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+
+    def _message(self, job: Job, out: RequestOutput) -> tuple[dict[str, Any], bool]:
+        if job.tools is None:
+            return {"role": "assistant", "content": out.text}, False
+        content, calls = parse_tool_calls(out.text, job.tools.syntax, self._names(job.tools))
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return message, bool(calls)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self._texts.text(token_id), "logprob": _finite(logprob), "bytes": self._texts.byte_values(token_id)}
@@ -287,11 +312,11 @@ class ChatFormat:
         ]}
 
     def response(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": o.text},
-             "logprobs": self._logprobs(job, o.logprobs or []), "finish_reason": o.finish_reason}
-            for i, o in enumerate(finals)
-        ]
+        choices = []
+        for i, o in enumerate(finals):
+            message, called = self._message(job, o)
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(job, o.logprobs or []),
+                            "finish_reason": self._finish_reason(o, called)})
         if job.prompt_logprobs:
             for choice, o in zip(choices, finals):
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, o)
@@ -306,9 +331,21 @@ class ChatFormat:
     def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None:
         if not (out.new_text or out.finished or (job.logprobs and out.new_token_ids)):
             return None
-        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        text, calls, called = out.new_text, [], False
+        if job.tools is not None:
+            parser = self._parsers.setdefault(index, ToolCallParser(job.tools.syntax, self._names(job.tools)))
+            first = parser.calls
+            text, calls = parser.feed(out.new_text)
+            if out.finished:
+                tail, more = parser.finish()
+                text, calls = text + tail, calls + more
+            calls = [c.openai(first + k) for k, c in enumerate(calls)]
+            called = parser.calls > 0
+        delta: dict[str, Any] = {"content": text} if text or not (out.finished or calls) else {}
+        if calls:
+            delta["tool_calls"] = calls
         choice = {"index": index, "delta": delta, "logprobs": self._logprobs(job, _new_logprobs(out)),
-                  "finish_reason": out.finish_reason if out.finished else None}
+                  "finish_reason": self._finish_reason(out, called) if out.finished else None}
         return self._envelope(job, [choice])
 
     def _envelope(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -522,11 +559,18 @@ async def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
         body.check_supported()
         messages = body.template_messages()
         ctx.check_choices(1, body.n)
-        params = [body.sampling_params(i, ctx.max_model_len) for i in range(body.n)]
-        prompt = await ctx.encode(ctx.prompts.chat, messages)
+        tokenizer = ctx.prompts.tokenizer
+        syntax, native = syntax_for(getattr(tokenizer, "chat_template", None))
+        plan = body.tool_plan(syntax, special_markers(syntax, tokenizer))
+        params = [body.sampling_params(i, ctx.max_model_len, plan) for i in range(body.n)]
+        tools = body.template_tools()
+        if native:
+            prompt = await ctx.encode(ctx.prompts.chat, messages, tools)
+        else:  # the template knows no tools: they are described in a system message
+            prompt = await ctx.encode(ctx.prompts.chat, fallback_messages(messages, tools or []))
     except InvalidRequestError as e:
         raise APIError.invalid(e, rename) from None
     job_id = _request_id("chatcmpl")
     requests = [EngineRequest(f"{job_id}-{i}", prompt, params[i]) for i in range(body.n)]
     return Job(job_id, body.model or ctx.served_model_name, requests, [0] * body.n, body.stream, body.include_usage,
-               body.logprobs, rename, prompt_logprobs=body.prompt_logprobs is not None)
+               body.logprobs, rename, prompt_logprobs=body.prompt_logprobs is not None, tools=plan)
