@@ -375,6 +375,9 @@ BAD_INPUTS = [
                                               "function": {"name": "f", "arguments": "{not json"}}]}]},
      400, "messages[0].tool_calls[0].function.arguments"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"structural_tag": {
+        "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<g"]}}}, 400,
+     "structured_outputs.structural_tag.structures[0].begin"),
     ("/v1/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/v1/no-such-endpoint", {}, 404, None),
     # structured outputs: a constraint that does not compile is a 400 naming the field it came in
@@ -440,6 +443,10 @@ def test_structured_outputs_over_http(server: Server, spec_server: Server) -> No
                                              extra_body={"response_format": {"type": "json_object"},
                                                          "structured_outputs": None})
         json.loads(done.choices[0].text)
+        tagged = srv.openai.completions.create(model=MODEL, prompt="Say:", temperature=0, max_tokens=8, extra_body={
+            "structured_outputs": {"structural_tag": {"structures": [{"begin": "<f>", "schema": PERSON, "end": "</f>"}],
+                                                      "triggers": ["<f>"]}}})
+        assert tagged.choices[0].finish_reason in ("stop", "length")
         regex = srv.openai.completions.create(model=MODEL, prompt="Code:", temperature=0, max_tokens=40,
                                               extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{3}"}})
         assert re.fullmatch("[A-Z]{3}-[0-9]{3}", regex.choices[0].text)

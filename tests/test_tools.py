@@ -128,3 +128,16 @@ def test_plan_is_deterministic() -> None:
     a = ToolPlan((WEATHER, CLOCK), "auto", True, HERMES).constraint()
     b = ToolPlan((WEATHER, CLOCK), "auto", True, HERMES).constraint()
     assert a == b
+
+
+def test_structural_tag_constrains_what_follows_its_trigger(tiny_llama: Path) -> None:
+    from specserve.server.tools import structural_tag_grammar
+
+    tok = load_tokenizer(tiny_llama)
+    compiler = GrammarCompiler.from_hf(tok, len(tok), {tok.eos_token_id})
+    spec = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER.parameters, "end": "</function>"}],
+            "triggers": ["<function="]}
+    grammar = structural_tag_grammar(json.dumps(spec), "structured_outputs.structural_tag").grammar
+    g, _ = _walk(compiler, grammar, tok, 'Checking. <function=get_weather>{"city": "Rome"}</function> Done.')
+    g, _ = _walk(compiler, grammar, tok, 'x <function=get_weather>{"city": "')
+    assert _allowed(g, tok, "R") and not _allowed(g, tok, "B")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
-from specserve.server.tools import CallSyntax, Function, ToolPlan, check_schema
+from specserve.server.tools import CallSyntax, Function, ToolPlan, check_schema, structural_tag_grammar
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -42,17 +42,22 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     type: StrictStr = "text"
     json_schema: JsonSchemaFormat | None = None
 
     def constraint(self) -> StructuredOutputsParams | None:
         if self.type == "text":
             return None
+        if self.type == "structural_tag":  # vLLM's: the structures and triggers sit beside the type
+            return structural_tag_grammar(self.model_extra or {}, "response_format")
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True, field="response_format")
         if self.type != "json_schema":
             raise InvalidRequestError(
-                "response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {self.type!r}"
+                "response_format.type",
+                f"must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {self.type!r}"
             )
         if self.json_schema is None:
             raise InvalidRequestError("response_format.json_schema", "is required when type is 'json_schema'")
@@ -104,7 +109,7 @@ class StructuredOutputs(_Body):
 
     def constraint(self) -> StructuredOutputsParams:
         if self.structural_tag is not None:
-            raise InvalidRequestError("structured_outputs.structural_tag", "is not supported")
+            return structural_tag_grammar(self.structural_tag, "structured_outputs.structural_tag")
         return StructuredOutputsParams(
             json=self.json_, regex=self.regex, choice=None if self.choice is None else tuple(self.choice),  # type: ignore[arg-type]
             grammar=self.grammar, json_object=bool(self.json_object),

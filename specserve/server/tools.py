@@ -194,6 +194,36 @@ class ToolPlan:
         return StructuredOutputsParams(grammar="\n".join(lines) + "\n", field="tools")
 
 
+def structural_tag_grammar(spec: Any, field_name: str) -> StructuredOutputsParams:
+    """vLLM's structural tag (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`, as
+    an object or its JSON text): free text, where each structure opens at its trigger and its
+    content follows its JSON schema."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise InvalidRequestError(field_name, f"is not valid JSON: {e}") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list) or not spec["structures"]:
+        raise InvalidRequestError(field_name, "must be an object with a non-empty 'structures' list")
+    triggers = spec.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise InvalidRequestError(field_name, "must have a non-empty 'triggers' list of non-empty strings")
+    tags = []
+    for i, st in enumerate(spec["structures"]):
+        where = f"{field_name}.structures[{i}]"
+        if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end", ""), str):
+            raise InvalidRequestError(where, "needs 'begin' and 'end' strings")
+        schema = st.get("schema", st.get("parameters", {}))
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{where}.schema", "must be a JSON schema (an object)")
+        check_schema(schema, f"{where}.schema")
+        trigger = next((t for t in triggers if st["begin"].startswith(t)), None)
+        if trigger is None:
+            raise InvalidRequestError(f"{where}.begin", "must start with one of the triggers")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=st["begin"], grammar=schema, end=st.get("end", "")))
+    return StructuredOutputsParams(grammar=llguidance.StructTag.to_grammar(tags, assume_special=False), field=field_name)
+
+
 class ToolCallParser:
     """Turns a choice's text into content and tool calls, fed piece by piece (a stream) or at once.
     Text that may still become a call's trigger is held back; a call is given out once its JSON
