@@ -280,6 +280,9 @@ def test_echo_scores_the_prompt_as_the_engine_does(server: Server, llm: LLM) -> 
     for entry, token, value in zip(vllm["prompt_logprobs"][1:], ids[1:], want[1:]):
         assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-4) and entry[str(token)]["rank"] >= 1
         assert any(v["rank"] == 1 for v in entry.values())
+    two = server.openai.completions.create(model=MODEL, prompt=[text, "abc"], max_tokens=2, echo=True, n=2,
+                                           temperature=0)
+    assert [c.text[: len(p)] for c, p in zip(two.choices, [text, text, "abc", "abc"])] == [text, text, "abc", "abc"]
     streamed = list(server.openai.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True,
                                                      temperature=0, stream=True))
     assert streamed[0].choices[0].text.startswith(text)
@@ -499,6 +502,9 @@ def test_tool_calls_over_http(server: Server, spec_server: Server) -> None:
             assert streamed == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
             got.append(streamed)
+        auto = srv.openai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                                  temperature=0, max_tokens=40)  # tool_choice auto: the lazy grammar
+        got.append((auto.choices[0].message.content, auto.choices[0].finish_reason))
         call = res.choices[0].message.tool_calls[0]
         follow = srv.openai.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[CLOCK],
                                                     messages=[*messages, res.choices[0].message.model_dump(exclude_none=True),
