@@ -25,6 +25,19 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+# Tokens that end a turn in the chat formats of the families served (llama.cpp stops on the same
+# "end of generation" set): a model may end with any of them, not only its declared eos id (Qwen2.5
+# declares <|im_end|> and also ends with <|endoftext|>; Llama 3 ends turns with <|eot_id|>).
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+                     "<end_of_turn>", "<|return|>", "<|call|>")
+
+
+def end_of_generation_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of END_OF_GENERATION tokens that are added (special) tokens of `tokenizer`."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return frozenset(int(added[t]) for t in END_OF_GENERATION if t in added)
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids for a conversation, ending with the assistant's turn prompt; `tools` (OpenAI's

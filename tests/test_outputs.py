@@ -138,3 +138,21 @@ def test_engine_core_gives_token_deltas_and_a_stop_string_ends_the_request_in_it
     assert outs[-1].finish_reason == "stop" and outs[-1].text == want.text[: want.text.index(stop)]
     assert "".join(o.new_text for o in outs) == outs[-1].text
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_every_end_of_turn_token_ends_generation(tiny_llama: Path, tmp_path: Path) -> None:
+    """A model's chat format may end a turn with a token other than its declared eos (Qwen2.5:
+    <|endoftext|> beside <|im_end|>): those added tokens stop generation, as in llama.cpp; an added
+    token that ends nothing does not."""
+    from specserve.tokenizer import end_of_generation_ids
+
+    model_dir = tmp_path / "eog-model"
+    shutil.copytree(tiny_llama, model_dir)
+    tok = load_tokenizer(model_dir)
+    tok.add_tokens(["<|endoftext|>", "<|im_end|>", "<tool_call>"], special_tokens=True)
+    tok.save_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<tool_call>")}
+    assert end_of_generation_ids(tok) == {ids["<|endoftext|>"], ids["<|im_end|>"]}
+    eos = LLM(str(model_dir)).engine.eos_token_ids
+    assert {ids["<|endoftext|>"], ids["<|im_end|>"], EOS_ID} <= eos and ids["<tool_call>"] not in eos

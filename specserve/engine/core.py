@@ -38,6 +38,7 @@ from specserve.speculation.drafter import DraftRequest, RequestView
 from specserve.speculation.sampler import token_logprobs
 from specserve.speculation.speculator import Decode, SampleItem, SpeculationStats, Speculator
 from specserve.structured import GrammarCompiler
+from specserve.tokenizer import end_of_generation_ids
 
 logger = logging.getLogger("specserve.engine")
 PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into log-probabilities at once (bounds the float32 copy)
@@ -114,6 +115,8 @@ class EngineCore:
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
+        if tokenizer is not None:
+            eos |= end_of_generation_ids(tokenizer)
         self.eos_token_ids = frozenset(eos)
         self.inputs = InputProcessor(tokenizer, model.config.vocab_size, config.max_model_len, self.blocks,
                                      self.eos_token_ids)
