@@ -45,6 +45,18 @@ def test_text_that_is_no_call_stays_content(text: str) -> None:
     assert parse_tool_calls(text, HERMES, NAMES) == (text, [])
 
 
+@pytest.mark.parametrize("text", ['```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Rome"}\n}\n```',
+                                  'Calling: {"name": "get_weather", "arguments": {"city": "Rome"}}'])
+def test_calls_written_in_a_fence_or_bare_are_calls(text: str) -> None:
+    """As llama.cpp's Hermes parser reads them (models choose these forms under tool_choice auto)."""
+    whole = parse_tool_calls(text, HERMES, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in whole[1]] == [("get_weather", {"city": "Rome"})]
+    assert whole[0] in (None, "Calling:")
+    parser = ToolCallParser(HERMES, NAMES)
+    pieces = [parser.feed(ch) for ch in text] + [parser.finish()]
+    assert [c.arguments for _, cs in pieces for c in cs] == [whole[1][0].arguments]
+
+
 def test_llama3_json_calls() -> None:
     text = '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
     content, calls = parse_tool_calls(text, LLAMA3_JSON, NAMES)
@@ -89,7 +101,9 @@ def test_required_grammar_admits_calls_only(tiny_llama: Path) -> None:
     g, _ = _walk(compiler, one, tok, "")
     assert _allowed(g, tok, "<") and not _allowed(g, tok, "S")  # no text before the call
     g, _ = _walk(compiler, one, tok, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-    assert g.done  # one call, then only the end of sequence
+    assert _allowed(g, tok, "\n") and not _allowed(g, tok, "<") and not _allowed(g, tok, "S")  # no second call
+    g, _ = _walk(compiler, one, tok, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n')
+    assert g.done  # one call (and a line break), then only the end of sequence
     many = ToolPlan((WEATHER, CLOCK), "required", True, HERMES).constraint().grammar
     g, _ = _walk(compiler, many, tok, TWO_CALLS[TWO_CALLS.index("<"):])
     assert not g.done  # parallel: another call may follow

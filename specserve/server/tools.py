@@ -62,6 +62,11 @@ class CallSyntax:
     json_at_trigger: bool
     close: str
     separator: str
+    # other ways models write the same call, parsed (never forced): (opening, JSON at it, closing)
+    lenient: tuple[tuple[str, bool, str], ...] = ()
+
+    def openers(self) -> tuple[tuple[str, bool, str], ...]:
+        return ((self.trigger, self.json_at_trigger, self.close), *self.lenient)
 
     def begin(self, function: str) -> str:
         """The call's text up to its arguments."""
@@ -77,7 +82,10 @@ class CallSyntax:
         return self.begin(function) + arguments + self.end
 
 
-HERMES = CallSyntax("hermes", "<tool_call>", "arguments", False, "</tool_call>", "\n")
+# As llama.cpp's Hermes parser does, a call object in a ```json fence or bare is a call too (small
+# Qwen2.5-Coder models often write it so when the choice is theirs).
+HERMES = CallSyntax("hermes", "<tool_call>", "arguments", False, "</tool_call>", "\n",
+                    lenient=(("```json", False, "```"), ('{"name"', True, "")))
 LLAMA3_JSON = CallSyntax("llama3_json", '{"name"', "parameters", True, "", "; ")
 
 
@@ -187,8 +195,9 @@ class ToolPlan:
                     lines.append(f"tag_{i}_trig[lazy]: TAG_TEXT {trigger}")
                     lines.append(f"tag_{i}: tag_{i}_trig {self._body(f)}")
         else:
+            # a line break may follow the last call before the end (models end "</tool_call>\n<eos>" too)
             sep = json.dumps(s.separator)
-            lines = [f"start: call ({sep} call)*" if self.parallel else "start: call",
+            lines = [f"start: call ({sep} call)* \"\\n\"?" if self.parallel else "start: call \"\\n\"?",
                      f"call: {' | '.join(f'f{i}' for i in range(n))}"]
             lines += [f"f{i}: {trigger} {self._body(f)}" for i, f in enumerate(self.functions)]
         return StructuredOutputsParams(grammar="\n".join(lines) + "\n", field="tools")
@@ -245,23 +254,25 @@ class ToolCallParser:
     def _drain(self, final: bool) -> tuple[str, list[ToolCall]]:
         content: list[str] = []
         calls: list[ToolCall] = []
-        trigger = self._syntax.trigger
+        openers = self._syntax.openers()
         while self._buf:
-            at = self._buf.find(trigger)
-            if at < 0:
-                keep = 0 if final else _partial_suffix(self._buf, trigger)
+            found = [(at, i) for i, (opening, _, _) in enumerate(openers) if (at := self._buf.find(opening)) >= 0]
+            if not found:
+                keep = 0 if final else max(_partial_suffix(self._buf, o) for o, _, _ in openers)
                 content.append(self._buf[: len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep :]
                 break
+            at, which = min(found)
             content.append(self._buf[:at])
             self._buf = self._buf[at:]
-            parsed = self._call(final)
+            parsed = self._call(openers[which], final)
             if parsed is None:  # not complete yet
                 break
             call, used = parsed
-            if call is None:  # the trigger opened no call: it is text
-                content.append(trigger)
-                self._buf = self._buf[len(trigger) :]
+            if call is None:  # the opening began no call: it is text
+                opening = openers[which][0]
+                content.append(opening)
+                self._buf = self._buf[len(opening) :]
                 continue
             calls.append(call)
             rest = self._buf[used:].lstrip()  # the separator before another call is not content
@@ -270,11 +281,12 @@ class ToolCallParser:
         self.calls += len(calls)
         return "".join(content), calls
 
-    def _call(self, final: bool) -> tuple[ToolCall | None, int] | None:
-        """The call at the start of the buffer: (call, characters used); (None, 0) when the trigger
-        opens none; None when more text may still complete it."""
-        s, buf = self._syntax, self._buf
-        start = 0 if s.json_at_trigger else len(s.trigger)
+    def _call(self, opener: tuple[str, bool, str], final: bool) -> tuple[ToolCall | None, int] | None:
+        """The call at the start of the buffer: (call, characters used); (None, 0) when the opening
+        begins none; None when more text may still complete it."""
+        opening, json_at_opening, close = opener
+        buf = self._buf
+        start = 0 if json_at_opening else len(opening)
         while start < len(buf) and buf[start].isspace():
             start += 1
         if start >= len(buf):
@@ -287,15 +299,15 @@ class ToolCallParser:
             return (None, 0) if final else None
         if not isinstance(obj, dict) or obj.get("name") not in self._names:
             return None, 0
-        args = obj.get(s.args_key, obj.get("arguments", obj.get("parameters", {})))
+        args = obj.get(self._syntax.args_key, obj.get("arguments", obj.get("parameters", {})))
         if not isinstance(args, dict):
             return None, 0
-        if s.close:
+        if close:
             rest = buf[end:].lstrip()
-            if rest.startswith(s.close):
-                end = len(buf) - len(rest) + len(s.close)
-            elif not final and len(rest) < len(s.close) and s.close.startswith(rest):
-                return None  # the closing tag may still come
+            if rest.startswith(close):
+                end = len(buf) - len(rest) + len(close)
+            elif not final and len(rest) < len(close) and close.startswith(rest):
+                return None  # the closing may still come
         return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False)), end
 
 
