@@ -61,18 +61,36 @@ def test_scoring_a_generation_gives_the_logprobs_it_was_generated_with(tiny_llam
     assert llm.engine.blocks.num_used_blocks == 0  # nothing leaked by a request that never decoded
 
 
-def test_a_scoring_request_computes_its_prompt_and_publishes_it(tiny_llama: Path) -> None:
+def _lps(out) -> list[float]:  # type: ignore[no-untyped-def]
+    return [e.logprob for e in out.prompt_logprobs[1:]]
+
+
+def test_scoring_requests_share_a_prefix_and_its_logprobs(tiny_llama: Path) -> None:
+    """What harnesses send: one context with several continuations. The first request computes
+    everything and keeps its blocks' logprobs beside the prefix cache; the next ones read the shared
+    blocks and their logprobs, and get the same numbers as an engine without a prefix cache (top
+    alternatives included). A request asking for more alternatives than were kept recomputes; a
+    plain request reads the blocks a scoring request published."""
+    context = random_prompts(1, seed=33, low=30, high=31)[0]
+    choices = [[5, 6, 7], [8, 9], [5, 6, 10, 11, 12]]
+    score = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    fresh = LLM(str(tiny_llama), block_size=4, enable_prefix_caching=False)
+    want = [fresh.generate(context + c, score, use_tqdm=False)[0] for c in choices]
     llm = LLM(str(tiny_llama), block_size=4)
-    ids = random_prompts(1, seed=33, low=30, high=31)[0]
-    score = SamplingParams(max_tokens=0, prompt_logprobs=0)
-    first = llm.generate(ids, score, use_tqdm=False)[0]
-    again = llm.generate(ids, score, use_tqdm=False)[0]
-    assert again.metrics.num_cached_prompt_tokens == 0  # K/V in the cache has no logits: recomputed
-    assert [e.logprob for e in again.prompt_logprobs[1:]] == pytest.approx(  # type: ignore[index,union-attr]
-        [e.logprob for e in first.prompt_logprobs[1:]], abs=1e-5)  # type: ignore[index,union-attr]
-    plain = llm.generate(ids, SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)[0]
-    assert plain.metrics.num_cached_prompt_tokens == 28  # the scoring request published its blocks
-    assert plain.prompt_logprobs is None
+    got = [llm.generate(context + c, score, use_tqdm=False)[0] for c in choices]
+    assert got[0].metrics.num_cached_prompt_tokens == 0
+    assert all(g.metrics.num_cached_prompt_tokens == 28 for g in got[1:])  # 7 full blocks of the context
+    for g, w in zip(got, want):
+        assert _lps(g) == pytest.approx(_lps(w), abs=1e-5)
+        assert [[t for t, _ in e.top] for e in g.prompt_logprobs[1:]] == [[t for t, _ in e.top] for e in w.prompt_logprobs[1:]]
+        assert [e.token_id for e in g.prompt_logprobs[1:]] == (context + choices[got.index(g)])[1:]
+    wider = llm.generate(context + choices[0], SamplingParams(max_tokens=0, prompt_logprobs=5), use_tqdm=False)[0]
+    assert wider.metrics.num_cached_prompt_tokens == 0 and all(len(e.top) == 5 for e in wider.prompt_logprobs[1:])
+    narrower = llm.generate(context + choices[1], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)[0]
+    assert narrower.metrics.num_cached_prompt_tokens == 28 and all(len(e.top) == 1 for e in narrower.prompt_logprobs[1:])
+    plain = llm.generate(context, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    assert plain.metrics.num_cached_prompt_tokens == 28 and plain.prompt_logprobs is None
+    assert llm.engine.blocks.num_used_blocks == 0
 
 
 def test_prompt_logprobs_out_of_range_names_the_field() -> None:

@@ -44,6 +44,10 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def hash_of(self, block: int) -> int | None:
+        """The prefix-cache hash of a registered block (None for one not in the cache)."""
+        return self._hash[block]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

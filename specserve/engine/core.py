@@ -22,6 +22,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from specserve.engine.prompt_logprobs import PromptLogprobStore
 from specserve.engine.drafting import DraftBuilder, build_speculator
 from specserve.engine.input_processor import InputProcessor
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -110,7 +111,8 @@ class EngineCore:
         self.runner = ModelRunner(model, kv, cache.block_size, self.device, attention)
         self.speculator: Speculator = build_speculator(self.speculative_config, config, self.runner, tokenizer,
                                                        draft_builder)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap)
+        self.prompt_logprob_store = PromptLogprobStore(cache.block_size, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap, self._scoring_prefix)
         self.draft_totals = DraftCounters()
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -166,6 +168,7 @@ class EngineCore:
             if row.item.prompt_logprobs:  # every row of the chunk: prompt logprobs, then the last one samples
                 first, count = out.rows[i]  # type: ignore[misc]
                 self._prompt_logprobs(row.seq, out.logits[first : first + count])
+                row.scored = True
                 row.logits = (first + count - 1, 1) if row.item.samples else None
             row.hidden_offset = out.offsets[i] if out.offsets else 0
         verdicts = self.speculator.verify(
@@ -186,12 +189,21 @@ class EngineCore:
             self._commit(row)
             # before the emit: a request that ends in this step still publishes its computed blocks
             self.blocks.register_full_blocks(row.seq)
+            if row.scored:  # after the registration: its blocks' hashes are known
+                self.prompt_logprob_store.save(row.seq)
             if prompt_only:
                 return self._finish_prompt_only(row.seq)
             return self._emit(row) if row.verdict is not None else None
         except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
             logger.exception("request %s failed in its commit or emit", row.seq.request_id)
             return self._fail(row.seq, f"internal error: {type(e).__name__}: {e}")
+
+    def _scoring_prefix(self, seq: Sequence, cached: list[int]) -> list[int]:
+        """The cached blocks a request asking for prompt logprobs may use: those whose logprobs are
+        stored too (they are written into the sequence, which then computes only the rest)."""
+        n, entries = self.prompt_logprob_store.prefix(seq, [self.blocks.hash_of(b) for b in cached])  # type: ignore[misc]
+        seq.prompt_logprobs = entries
+        return cached[:n]
 
     def _draft_cap(self, seq: Sequence) -> int:
         """The most draft nodes `seq` may be given this step (the scheduler reserves room for them)."""

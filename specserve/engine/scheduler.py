@@ -65,10 +65,14 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         draft_budget: Callable[[Sequence], int] = no_speculation,
+        scoring_prefix: Callable[[Sequence, list[int]], list[int]] = lambda seq, cached: [],
     ) -> None:
+        """scoring_prefix(seq, cached): of the cached blocks found for a request that asks for
+        prompt logprobs, those it may use (cached K/V has no logits; by default none)."""
         self.config = config
         self.blocks = block_manager
         self.draft_budget = draft_budget
+        self.scoring_prefix = scoring_prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -106,8 +110,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            # prompt logprobs need every prompt token's logits: cached K/V has none
-            cached = [] if seq.wants_prompt_logprobs else self.blocks.match_prefix(seq.token_ids())
+            cached = self.blocks.match_prefix(seq.token_ids())
+            if seq.wants_prompt_logprobs:  # prompt logprobs need every prompt token's logits
+                cached = self.scoring_prefix(seq, cached)
             computed = len(cached) * self.blocks.block_size
             n = self._chunk(seq.num_tokens - computed, budget)
             if n == 0 or not self.blocks.can_admit(cached, computed + n):

@@ -27,6 +27,7 @@ class StepRow:
     logits: tuple[int, int] | None = None  # (first row, count) of its logits; None: it samples nothing
     hidden_offset: int = 0  # where its tokens' hidden states start in the step's all-hidden tensor
     verdict: Verdict | None = None
+    scored: bool = False  # its chunk's prompt logprobs were computed
 
     @property
     def seq(self) -> Sequence:
