@@ -341,6 +341,8 @@ class ChatFormat:
                 text, calls = text + tail, calls + more
             calls = [c.openai(first + k) for k, c in enumerate(calls)]
             called = parser.calls > 0
+            if not (text or calls or out.finished or job.logprobs):
+                return None  # all held back: it may be a call forming
         delta: dict[str, Any] = {"content": text} if text or not (out.finished or calls) else {}
         if calls:
             delta["tool_calls"] = calls
