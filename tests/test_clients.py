@@ -9,7 +9,6 @@ nonsense, but constrained answers are valid), the harness reads a local tokenize
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
@@ -191,4 +190,3 @@ def test_lm_eval_local_completions(server: Server, tiny_long: Path, tmp_path: Pa
             assert harness_ll == pytest.approx(own, abs=1e-4)
             checked += 1
     assert checked == sum(len(d["choices"]) for d in MC_DOCS)
-    assert os.listdir(tmp_path)  # the task files were read from here, nothing fetched

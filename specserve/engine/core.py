@@ -275,10 +275,7 @@ class EngineCore:
             if reason is not None:
                 break
         if reason is not None:
-            seq.finish_time = now
-            self.scheduler.finish(seq, reason)
-            del self._requests[seq.request_id]
-            self._drafter_finish(seq)
+            self._end(seq, reason, now)
         return TokenDelta(seq.request_id, seq.output_token_ids[n_tokens:], seq.logprobs[n_logprobs:], reason,
                           request_metrics(seq), prompt_logprobs=self._prompt_out(seq) if n_tokens == 0 else None)
 
@@ -295,10 +292,7 @@ class EngineCore:
 
     def _finish_prompt_only(self, seq: Sequence) -> TokenDelta:
         """End a max_tokens-0 request once its prompt is computed (its prompt logprobs go with it)."""
-        seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq, "length")
-        del self._requests[seq.request_id]
-        self._drafter_finish(seq)
+        self._end(seq, "length")
         return TokenDelta(seq.request_id, [], [], "length", request_metrics(seq), prompt_logprobs=self._prompt_out(seq))
 
     @staticmethod
@@ -309,12 +303,16 @@ class EngineCore:
     def _fail(self, seq: Sequence, error: str) -> TokenDelta:
         """End the request alone with finish_reason "error": its blocks are freed, the batch goes on."""
         logger.warning("request %s ended with an error: %s", seq.request_id, error)
-        seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq, "error")
+        self._end(seq, "error")
         seq.finish_reason = "error"  # also when the failure came after its last token was emitted
+        return TokenDelta(seq.request_id, [], [], "error", request_metrics(seq), error)
+
+    def _end(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """Finish a request: its blocks freed, its drafters told, the core forgets it."""
+        seq.finish_time = time.perf_counter() if now is None else now
+        self.scheduler.finish(seq, reason)
         self._requests.pop(seq.request_id, None)
         self._drafter_finish(seq)
-        return TokenDelta(seq.request_id, [], [], "error", request_metrics(seq), error)
 
     def _drafter_finish(self, seq: Sequence) -> None:
         self.speculator.finish(seq.request_id, _view(seq))

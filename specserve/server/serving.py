@@ -134,7 +134,7 @@ class Job:
     rename: dict[str, str]  # engine field name -> this endpoint's name for it
     created: int = field(default_factory=lambda: int(time.time()))
     echo: tuple[str, ...] | None = None  # completions with echo: each prompt's text, put before its choices' text
-    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in each choice
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field in each choice, with this many alternatives
     tools: ToolPlan | None = None  # chat with tools: calls are parsed out of the text
 
     def index_of(self) -> dict[str, int]:
@@ -183,9 +183,9 @@ class Format(Protocol):
     def chunk(self, job: Job, index: int, out: RequestOutput) -> dict[str, Any] | None: ...
 
 
-def vllm_prompt_logprobs(texts: TokenTexts, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+def vllm_prompt_logprobs(texts: TokenTexts, out: RequestOutput, k: int) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first) a dict from token id to its
-    logprob, rank and text: the prompt's own token and the top alternatives."""
+    logprob, rank and text: the prompt's own token and the top k alternatives."""
     if out.prompt_logprobs is None:
         return None
     result: list[dict[str, Any] | None] = []
@@ -194,7 +194,7 @@ def vllm_prompt_logprobs(texts: TokenTexts, out: RequestOutput) -> list[dict[str
             result.append(None)
             continue
         entry = {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": texts.text(t)}
-                 for r, (t, v) in enumerate(lp.top, start=1)}
+                 for r, (t, v) in enumerate(lp.top[:k], start=1)}
         entry[str(lp.token_id)] = {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": texts.text(lp.token_id)}
         result.append(entry)
     return result
@@ -243,8 +243,8 @@ class CompletionFormat:
                 lps: list[tuple[int, TokenLogprob | None]], final: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(job, index, lps),
                                   "finish_reason": out.finish_reason if final else None}
-        if job.prompt_logprobs:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, out)
+        if job.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, out, job.prompt_logprobs)
         return choice
 
     def response(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -284,17 +284,13 @@ class ChatFormat:
         self._parsers: dict[int, ToolCallParser] = {}  # streams with tools: one per choice
 
     @staticmethod
-    def _names(plan: ToolPlan) -> frozenset[str]:
-        return frozenset(f.name for f in plan.functions)
-
-    @staticmethod
     def _finish_reason(out: RequestOutput, called: bool) -> str | None:
         return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
 
     def _message(self, job: Job, out: RequestOutput) -> tuple[dict[str, Any], bool]:
         if job.tools is None:
             return {"role": "assistant", "content": out.text}, False
-        content, calls = parse_tool_calls(out.text, job.tools.syntax, self._names(job.tools))
+        content, calls = parse_tool_calls(out.text, job.tools.parser())
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
@@ -317,9 +313,9 @@ class ChatFormat:
             message, called = self._message(job, o)
             choices.append({"index": i, "message": message, "logprobs": self._logprobs(job, o.logprobs or []),
                             "finish_reason": self._finish_reason(o, called)})
-        if job.prompt_logprobs:
+        if job.prompt_logprobs is not None:
             for choice, o in zip(choices, finals):
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, o)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self._texts, o, job.prompt_logprobs)
         return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
                 "choices": choices, "usage": job.usage(dict(enumerate(finals)))}
 
@@ -333,7 +329,7 @@ class ChatFormat:
             return None
         text, calls, called = out.new_text, [], False
         if job.tools is not None:
-            parser = self._parsers.setdefault(index, ToolCallParser(job.tools.syntax, self._names(job.tools)))
+            parser = self._parsers.setdefault(index, job.tools.parser())
             first = parser.calls
             text, calls = parser.feed(out.new_text)
             if out.finished:
@@ -551,7 +547,7 @@ async def completion_job(body: CompletionRequest, ctx: ServingContext) -> Job:
             requests.append(EngineRequest(f"{job_id}-{len(requests)}", prompt, params[i]))
             prompt_of.append(p)
     return Job(job_id, body.model or ctx.served_model_name, requests, prompt_of, body.stream, body.include_usage,
-               body.logprobs is not None, {}, echo=echo, prompt_logprobs=body.prompt_logprobs is not None)
+               body.logprobs is not None, {}, echo=echo, prompt_logprobs=body.prompt_logprobs)
 
 
 async def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
@@ -575,4 +571,4 @@ async def chat_job(body: ChatCompletionRequest, ctx: ServingContext) -> Job:
     job_id = _request_id("chatcmpl")
     requests = [EngineRequest(f"{job_id}-{i}", prompt, params[i]) for i in range(body.n)]
     return Job(job_id, body.model or ctx.served_model_name, requests, [0] * body.n, body.stream, body.include_usage,
-               body.logprobs, rename, prompt_logprobs=body.prompt_logprobs is not None, tools=plan)
+               body.logprobs, rename, prompt_logprobs=body.prompt_logprobs, tools=plan)

@@ -166,6 +166,14 @@ class ToolPlan:
     syntax: CallSyntax
     special: frozenset[str] = frozenset()
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.functions)
+
+    def parser(self) -> "ToolCallParser":
+        """A parser for one choice's text under this plan."""
+        return ToolCallParser(self.syntax, self.names)
+
     def _lit(self, text: str) -> str:
         """A Lark literal: `text` quoted, with the special markers in it as token references."""
         for marker in sorted(self.special, key=len, reverse=True):
@@ -319,9 +327,8 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, syntax: CallSyntax, names: frozenset[str]) -> tuple[str | None, list[ToolCall]]:
-    """A whole output's content (None when only calls) and its calls."""
-    parser = ToolCallParser(syntax, names)
+def parse_tool_calls(text: str, parser: ToolCallParser) -> tuple[str | None, list[ToolCall]]:
+    """A whole output's content (None when only calls) and its calls, with a fresh `parser`."""
     head, calls = parser.feed(text)
     tail, more = parser.finish()
     content = (head + tail).strip()
