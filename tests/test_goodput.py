@@ -39,7 +39,7 @@ def test_select_keeps_the_best_nodes_of_every_choice() -> None:
     rng = random.Random(0)
     cost = StepCostModel(ForwardProfile(CPU_LIKE), per_attended=2e-6)  # 2 us per token of context
     cost.w[2] = 0.002  # 2 ms per request carrying a tree
-    ctl = GoodputController(cost)
+    ctl = GoodputController(cost, min_value=0.0)  # the cost model's optimum, no floor on a node's value
     for trial in range(60):
         base = StepShape(tokens=rng.randint(1, 6))
         cands = []
@@ -65,7 +65,20 @@ def test_nothing_is_drafted_where_it_cannot_pay_and_everything_likely_where_it_i
     cpu_likely = cpu.select(StepShape(4), 4, likely).counts
     assert 0 < cpu_likely[0] < 6  # the tail of the chain does not pay for its 17% a token
     assert gpu.select(StepShape(4), 4, likely).counts == (6, 6, 6, 6)  # verification is free
-    assert gpu.select(StepShape(4), 4, unlikely).counts == (2, 2, 2, 2)
+    assert gpu.select(StepShape(4), 4, unlikely).counts == (1, 1, 1, 1)  # 0.01 is under the 5% floor
+    anything = GoodputController(StepCostModel(ForwardProfile(GPU_LIKE)), min_value=0.0)
+    assert anything.select(StepShape(4), 4, unlikely).counts == (2, 2, 2, 2)
+
+
+def test_a_node_almost_never_accepted_is_not_verified_even_where_rows_look_free() -> None:
+    """A flat measured cost (a small model's forward is its overhead, or a noisy probe) makes
+    extra rows look free: nodes under min_value are still not kept, so rows are not spent on
+    drafts that are almost always rejected."""
+    flat = GoodputController(StepCostModel(ForwardProfile({1: 0.01, 64: 0.01})))
+    tail = [Candidate((0.9, 0.6, 0.2, 0.06, 0.04, 0.02))] * 2
+    assert flat.select(StepShape(2), 2, tail).counts == (4, 4)
+    with pytest.raises(ValueError, match="min_value"):
+        GoodputController(StepCostModel(ForwardProfile(GPU_LIKE)), min_value=1.0)
 
 
 def test_a_node_is_charged_for_the_context_it_attends_to() -> None:

@@ -85,6 +85,23 @@ def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
     assert guard.mode(GoodputGuard.key(2, 2 * 100), 12) is Mode.PLAIN  # still: nothing recorded yet
 
 
+def test_a_bucket_born_off_measures_plain_steps_before_it_probes() -> None:
+    """A bucket that inherits "off" after its neighbour's probe was due cannot judge a probe
+    before it has plain steps of its own: it decodes plainly first, then probes once and is
+    judged (before, every step there was an unjudged probe: drafts verified all the time)."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)  # off at step 3, probe due at 19
+    longer = GoodputGuard.key(8, 8 * 1000)
+    modes = []
+    for n in range(100, 140):
+        mode = guard.mode(longer, n)
+        drafted = mode is not Mode.PLAIN
+        guard.record(longer, mode, n, drafted, 0.08 if not drafted else 0.16, 8, 8)
+        modes.append(mode)
+    assert modes[:2] == [Mode.PLAIN, Mode.PROBE] and set(modes[2:33]) == {Mode.PLAIN}  # waits 32 after
+    assert guard.stats().probes == modes.count(Mode.PROBE) == 2
+
+
 @pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])
 def test_bad_guard_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"guard {field}"):

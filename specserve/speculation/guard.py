@@ -115,8 +115,8 @@ class GoodputGuard:
 
     def mode(self, key: tuple[int, int], step_no: int) -> Mode:
         b = self._bucket(key)
-        if b.off:
-            return Mode.PROBE if step_no >= b.next_probe else Mode.PLAIN
+        if b.off:  # a probe is judged against this shape's own plain steps: one comes first
+            return Mode.PROBE if step_no >= b.next_probe and b.plain.steps else Mode.PLAIN
         if b.plain.steps == 0 or (b.seconds.steps and step_no - b.last_plain >= self.config.control_every):
             return Mode.PLAIN  # the reference first, and again when it is old
         return Mode.DRAFT
