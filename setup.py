@@ -9,7 +9,8 @@ would fetch a PyTorch of its own: for a CPU machine, a multi-GB CUDA build):
 
 Each instruction-set variant of the kernels (qgemm_<isa>.cpp for the GGUF products, cpu_kernels_<isa>.c
 for the rest: attention, the layer's small operations, float32/int8/int4 products, the layer loop) is
-compiled with its own flags; the library runs the variants the CPU supports, and which of those runs a
+compiled with its own flags (qgemm_avx512.cpp: AVX-512 with VNNI, for the products that gain from it;
+the rest of that variant runs the AVX2 code); the library runs the variants the CPU supports, and which of those runs a
 projection is chosen by measurement (specserve.model.tuning). Never -march=native: the build must
 run on any CPU of its architecture.
 """
@@ -40,6 +41,7 @@ HEADERS = ("gguf_blocks.h", "gguf_packed.h", "qgemm.h", "ops.h", "cpu_kernels.h"
 CXX = ["-std=c++17"]
 C = ["-std=gnu11", "-fopenmp"]  # the C kernels' loops are OpenMP regions (PyTorch's libgomp runs them)
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 
 # Sources compiled apart from ops.cpp, each with its flags: the instruction-set variants (a variant's
 # macro tells ops.cpp it was built) and the portable repacking.
@@ -48,8 +50,9 @@ VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"
                                          (os.path.join(CSRC, "gguf_pack.cpp"), CXX),
                                          (os.path.join(CSRC, "cpu_kernels_generic.c"), C)]
 if X86:
-    VARIANTS += [(os.path.join(CSRC, "qgemm_avx2.cpp"), CXX + AVX2), (os.path.join(CSRC, "cpu_kernels_avx2.c"), C + AVX2)]
-DEFINES = [("SPECSERVE_HAVE_AVX2", "1")] if X86 else []
+    VARIANTS += [(os.path.join(CSRC, "qgemm_avx2.cpp"), CXX + AVX2), (os.path.join(CSRC, "cpu_kernels_avx2.c"), C + AVX2),
+                 (os.path.join(CSRC, "qgemm_avx512.cpp"), CXX + AVX512)]
+DEFINES = [("SPECSERVE_HAVE_AVX2", "1"), ("SPECSERVE_HAVE_AVX512", "1")] if X86 else []
 
 
 class Build(BuildExtension):
@@ -78,7 +81,8 @@ setup(
             # at::parallel_for is an OpenMP region compiled into this library (the runtime is PyTorch's libgomp)
             extra_compile_args={"cxx": [*COMMON, "-fopenmp"]},
             extra_link_args=["-fopenmp"],
-            depends=[os.path.join(CSRC, h) for h in HEADERS],
+            # the variants' sources too: a change to one alone must relink the library
+            depends=[os.path.join(CSRC, h) for h in HEADERS] + [source for source, _ in VARIANTS],
         )
     ],
     cmdclass={"build_ext": Build.with_options(use_ninja=False)},

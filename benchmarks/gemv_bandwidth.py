@@ -23,8 +23,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--isa", default=None, help="kernel variant (default: the best this CPU runs)")
-    p.add_argument("--layout", choices=["file", "x8"], default="x8",
-                   help="Q4_K as the file stores it, or packed eight rows at a time (what the engine picks on AVX2)")
+    p.add_argument("--layout", choices=["file", "packed"], default="packed",
+                   help="Q4_K as the file stores it, or packed as the variant reads it (x8 for avx2, x16 for "
+                        "avx512vnni: what the engine picks)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -32,14 +33,16 @@ def main() -> None:
     from specserve.model.gguf_file import QUANTIZED, GGUFFile
 
     ops.load()
-    isa = ops.isa_id(a.isa or ops.runnable_isas()[-1])
+    isa_name = a.isa or ops.runnable_isas()[-1]
+    isa = ops.isa_id(isa_name)
     g = GGUFFile(a.gguf)
     from specserve.model.quant import pack_gguf_parts
 
     tensors = [(g.data(n), t.type_id, t.cols) for n, t in g.tensors.items()
                if t.type_name in QUANTIZED and n != "token_embd.weight"]
-    if a.layout == "x8":
-        tensors = [(p[0], ty[0], k) for w, t, k in tensors for p, ty in [pack_gguf_parts([w], [t])]]
+    if a.layout == "packed" and isa_name in ops.PACKED_LAYOUTS:
+        layout = ops.PACKED_LAYOUTS[isa_name]
+        tensors = [(p[0], ty[0], k) for w, t, k in tensors for p, ty in [pack_gguf_parts([w], [t], layout)]]
     total = sum(w.numel() for w, _, _ in tensors)
     xs = {k: torch.randn(1, k) for k in {c for _, _, c in tensors}}
     fresh = torch.ones(1 << 27, dtype=torch.int64)  # 1 GiB

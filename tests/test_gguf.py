@@ -2,7 +2,7 @@
 compiled kernel variant computes the dequantized product of what it was given, and computes a row
 bit for bit the same alone or in any batch of 1..70 rows; a model read from a k-quant file computes
 what its dequantized weights compute, in the Qwen2 and Llama layouts; Q4_K repacked eight rows at a
-time is the same numbers and its kernels hold the same properties; speculation stays lossless on
+time (Q4_K and Q6_K sixteen for AVX-512) is the same numbers and its kernels hold the same properties; speculation stays lossless on
 it; a broken file is an error that names the file and the tensor."""
 
 from __future__ import annotations
@@ -96,43 +96,62 @@ def test_a_fused_projection_of_mixed_types_is_its_parts_side_by_side(isa: str) -
     assert torch.equal(fused, alone)
 
 
-VECTOR_ISAS = [isa for isa in ISAS if isa != "generic"]  # the variants that have packed candidates
+LAYOUTS = list(ops.PACKED_LAYOUTS.values())
+PACKED = list(ops.PACKED_BY_ID.values())  # packing, and the portable variant, run anywhere
+X8, X16 = ops.PACKED_LAYOUTS["avx2"], ops.PACKED_LAYOUTS["avx512vnni"]
+Q4KX8, Q4KX16, Q6KX16 = ops.PACKED_BY_ID[112], ops.PACKED_BY_ID[212], ops.PACKED_BY_ID[214]
+RUNNABLE_LAYOUTS = [ops.PACKED_LAYOUTS[isa].name for isa in ISAS if isa in ops.PACKED_LAYOUTS]
 
 
-def _packed(blocks: torch.Tensor) -> torch.Tensor:
-    return torch.ops.specserve.gguf_pack(blocks, int(Q.Q4_K), blocks.shape[1] // 144 * 256)
+def _name(t: ops.PackedType) -> str:
+    return f"{Q(t.source).name}x{t.rows}"
 
 
-def test_packing_q4k_is_lossless() -> None:
-    """Eight rows at a time, every byte kept: the packed tensor dequantizes to the file's values
-    (scales and mins of all 64 values, every quant), and its size per row is the file's plus 4 bytes
-    per 256 weights."""
-    blocks, ref = _blocks(Q.Q4_K, 64, 1024, seed=4)
-    packed = _packed(blocks)
-    assert packed.shape == (64, 4 * 148)
-    assert torch.equal(torch.ops.specserve.gguf_dequantize(packed, 112, 1024), torch.from_numpy(ref))
+def _variant_reads(isa: str, t: ops.PackedType) -> bool:
+    """ops.cpp's variant_reads: the portable variant reads every packed type, a vectorised one its
+    own layout's (AVX-512's reads AVX2's too)."""
+    return isa == "generic" or t in ops.PACKED_LAYOUTS[isa].types or (isa == "avx512vnni" and t == Q4KX8)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_every_variant_computes_the_dequantized_product_from_packed_q4k(isa: str) -> None:
-    blocks, ref = _blocks(Q.Q4_K, 48, 768, seed=1)
+READS = [pytest.param(isa, t, id=f"{isa}-{_name(t)}") for isa in ISAS for t in PACKED if _variant_reads(isa, t)]
+
+
+def _packed(blocks: torch.Tensor, t: ops.PackedType = Q4KX8) -> torch.Tensor:
+    block_bytes = 144 if t.source == Q.Q4_K else 210
+    return torch.ops.specserve.gguf_pack(blocks, t.source, blocks.shape[1] // block_bytes * 256, t.type_id)
+
+
+@pytest.mark.parametrize("t", PACKED, ids=_name)
+def test_packing_is_lossless(t: ops.PackedType) -> None:
+    """Eight or sixteen rows at a time, every byte kept: the packed tensor dequantizes to the file's
+    values (Q4_K: scales and mins of all 64 values, every quant; Q6_K: every 6-bit quant and scale),
+    in the size the layout promises per row."""
+    blocks, ref = _blocks(Q(t.source), 64, 1024, seed=4)
+    packed = _packed(blocks, t)
+    assert packed.shape == (64, 4 * t.bytes_per_256)
+    assert torch.equal(torch.ops.specserve.gguf_dequantize(packed, t.type_id, 1024), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("isa, t", READS)
+def test_every_variant_computes_the_dequantized_product_from_packed_weights(isa: str, t: ops.PackedType) -> None:
+    blocks, ref = _blocks(Q(t.source), 48, 768, seed=1)
     x = torch.randn(9, 768) * 3
     expect = torch.ops.specserve.gguf_round_activations(x, 256).double() @ torch.from_numpy(ref).double().T
     bias = torch.randn(48)
-    y = torch.ops.specserve.gguf_linear(x, [_packed(blocks)], [112], bias, ops.isa_id(isa))
+    y = torch.ops.specserve.gguf_linear(x, [_packed(blocks, t)], [t.type_id], bias, ops.isa_id(isa))
     err = (y.double() - bias.double() - expect).abs().max() / expect.abs().max()
     assert err < 2e-6, err
     if isa == "generic":  # the portable variant unpacks each group and sums as it does for the file
-        assert torch.equal(y, torch.ops.specserve.gguf_linear(x, [blocks], [int(Q.Q4_K)], bias, ops.isa_id(isa)))
+        assert torch.equal(y, torch.ops.specserve.gguf_linear(x, [blocks], [t.source], bias, ops.isa_id(isa)))
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_every_variant_is_batch_invariant_bit_for_bit_on_packed_q4k(isa: str) -> None:
-    """As for the file's blocks: a row alone and among 1..70 rows (tiles, groups of four
-    activation rows and the remainders) gives the same bits."""
-    packed = _packed(_blocks(Q.Q4_K, 24, 512, seed=2)[0])
+@pytest.mark.parametrize("isa, t", READS)
+def test_every_variant_is_batch_invariant_bit_for_bit_on_packed_weights(isa: str, t: ops.PackedType) -> None:
+    """As for the file's blocks: a row alone and among 1..70 rows (tiles, groups of activation rows
+    and the remainders) gives the same bits."""
+    packed = _packed(_blocks(Q(t.source), 32, 512, seed=2)[0], t)
     x = torch.randn(70, 512)
-    run = lambda rows: torch.ops.specserve.gguf_linear(rows, [packed], [112], None, ops.isa_id(isa))  # noqa: E731
+    run = lambda rows: torch.ops.specserve.gguf_linear(rows, [packed], [t.type_id], None, ops.isa_id(isa))  # noqa: E731
     full = run(x)
     assert torch.equal(full, torch.cat([run(x[i:i + 1]) for i in range(70)]))
     for m in range(2, 70):
@@ -140,15 +159,16 @@ def test_every_variant_is_batch_invariant_bit_for_bit_on_packed_q4k(isa: str) ->
         assert torch.equal(run(x[70 - m:]), full[70 - m:]), m
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_a_fused_projection_with_a_packed_part_is_its_parts_side_by_side(isa: str) -> None:
-    parts = [_packed(_blocks(Q.Q4_K, 48, 512, seed=0)[0]), _blocks(Q.Q6_K, 16, 512, seed=1)[0],
-             _packed(_blocks(Q.Q4_K, 8, 512, seed=2)[0])]
-    types = [112, int(Q.Q6_K), 112]
-    x, bias = torch.randn(5, 512), torch.randn(72)
+@pytest.mark.parametrize("isa, t", READS)
+def test_a_fused_projection_with_a_packed_part_is_its_parts_side_by_side(isa: str, t: ops.PackedType) -> None:
+    other = Q.Q6_K if t.source == Q.Q4_K else Q.Q4_K
+    parts = [_packed(_blocks(Q(t.source), 48, 512, seed=0)[0], t), _blocks(other, 16, 512, seed=1)[0],
+             _packed(_blocks(Q(t.source), t.rows, 512, seed=2)[0], t)]
+    types = [t.type_id, int(other), t.type_id]
+    x, bias = torch.randn(5, 512), torch.randn(64 + t.rows)
     fused = torch.ops.specserve.gguf_linear(x, parts, types, bias, ops.isa_id(isa))
-    alone = torch.cat([torch.ops.specserve.gguf_linear(x, [p], [t], None, ops.isa_id(isa))
-                       for p, t in zip(parts, types)], dim=1) + bias
+    alone = torch.cat([torch.ops.specserve.gguf_linear(x, [p], [ty], None, ops.isa_id(isa))
+                       for p, ty in zip(parts, types)], dim=1) + bias
     assert torch.equal(fused, alone)
 
 
@@ -156,12 +176,25 @@ def test_packing_refuses_what_it_cannot_pack() -> None:
     blocks, _ = _blocks(Q.Q4_K, 12, 512)
     with pytest.raises(RuntimeError, match="12 rows are not whole groups of 8"):
         _packed(blocks)
-    with pytest.raises(RuntimeError, match="ggml type 14 has no packed layout"):
-        torch.ops.specserve.gguf_pack(_blocks(Q.Q6_K, 8, 512)[0], int(Q.Q6_K), 512)
+    with pytest.raises(RuntimeError, match="24 rows are not whole groups of 16"):
+        _packed(_blocks(Q.Q4_K, 24, 512)[0], Q4KX16)
+    with pytest.raises(RuntimeError, match="ggml type 14 has no packed layout 112"):
+        torch.ops.specserve.gguf_pack(_blocks(Q.Q6_K, 8, 512)[0], int(Q.Q6_K), 512, 112)
+    with pytest.raises(RuntimeError, match="ggml type 12 has no packed layout 214"):
+        torch.ops.specserve.gguf_pack(blocks, int(Q.Q4_K), 512, 214)
     with pytest.raises(RuntimeError, match="a packed tensor .* has a multiple of 8 rows, got 12"):
         torch.ops.specserve.gguf_linear(torch.randn(1, 512), [torch.zeros(12, 296, dtype=torch.uint8)], [112], None, 0)
+    with pytest.raises(RuntimeError, match="a packed tensor .* has a multiple of 16 rows, got 8"):
+        torch.ops.specserve.gguf_linear(torch.randn(1, 512), [torch.zeros(8, 420, dtype=torch.uint8)], [214], None, 0)
     with pytest.raises(RuntimeError, match="is not a lookup table"):
         torch.ops.specserve.gguf_embedding(torch.tensor([0]), _packed(_blocks(Q.Q4_K, 8, 512)[0]), 112, 512)
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 variant on this CPU")
+def test_a_variant_refuses_a_packed_layout_it_has_no_kernel_for() -> None:
+    packed = _packed(_blocks(Q.Q6_K, 16, 512)[0], Q6KX16)
+    with pytest.raises(RuntimeError, match="kernel variant 1 has no kernel for weight 0's packed type 214"):
+        torch.ops.specserve.gguf_linear(torch.randn(1, 512), [packed], [214], None, ops.isa_id("avx2"))
 
 
 def test_bad_arguments_are_errors_that_say_what_is_wrong() -> None:
@@ -192,20 +225,22 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(params=["file", "x8"])
+@pytest.fixture(params=["file", "x8", "x16"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every GGUF projection forced onto the file's blocks ("file") or, where a part is Q4_K, onto
-    Q4_K packed eight rows at a time ("x8"), instead of leaving the choice to the timing."""
+    Q4_K packed eight ("x8") or sixteen ("x16") rows at a time, instead of leaving the choice to the
+    timing."""
     from specserve.model.tuning import KernelTuner
 
-    if request.param == "x8" and not VECTOR_ISAS:
-        pytest.skip("no vectorised kernel variant on this CPU")
+    if request.param != "file" and request.param not in RUNNABLE_LAYOUTS:
+        pytest.skip(f"no kernel variant on this CPU reads the {request.param} layout")
     original = KernelTuner.choose
+    packed_suffixes = tuple(f"-{layout.name}" for layout in LAYOUTS)
 
     def choose(self, precision, shape, dtype, factories):  # type: ignore[no-untyped-def]
         if precision.startswith("gguf:"):
-            names = [n for n in factories if n.endswith("-x8")] if request.param == "x8" else []
-            names = names or [n for n in factories if not n.endswith("-x8")]
+            names = [n for n in factories if n.endswith(f"-{request.param}")]
+            names = names or [n for n in factories if not n.endswith(packed_suffixes)]
             factories = {names[-1]: factories[names[-1]]}
         return original(self, precision, shape, dtype, factories)
 
@@ -219,7 +254,7 @@ class _RoundedDense(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int], types: list[int]) -> None:
         super().__init__()
         self.weights = weight.split(rows)
-        self.blocks = [256 if t == 112 or Q(t) in SUPER else 32 for t in types]
+        self.blocks = [256 if t in ops.PACKED_BY_ID or Q(t) in SUPER else 32 for t in types]
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,7 +304,8 @@ def test_the_native_layer_loop_computes_the_python_layers_bit_for_bit(files: dic
 
     llm = LLM(str(files["qwen2"]))
     packed = [t for m in llm.engine.model.modules() if hasattr(m, "kernel") for t in getattr(m.kernel, "types", [])]
-    assert (112 in packed) == (layout == "x8")
+    layout_ids = {t.type_id: lay.name for lay in LAYOUTS for t in lay.types}
+    assert {layout_ids[t] for t in packed if t in layout_ids} == ({layout} if layout != "file" else set())
     model, runner = llm.engine.model, llm.engine.runner
     assert model._native(runner.kv_cache, torch.zeros(1, 256)) is not None  # the loop runs these kernels
     prompt = random_prompts(1, seed=6, low=20, high=21, vocab=259)[0]
@@ -310,7 +346,7 @@ def test_greedy_speculation_on_a_k_quant_model_is_plain_decoding(
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("layout", ["x8"], indirect=True)
+@pytest.mark.parametrize("layout", ["x8", "x16"], indirect=True)
 @pytest.mark.parametrize("method", ["ngram", "draft-model"])
 def test_greedy_speculation_on_packed_q4k_is_plain_decoding(files: dict[str, Path], layout: str, method: str) -> None:
     """Verifying drafts runs the packed kernels on several rows at once: still the plain tokens."""
@@ -389,10 +425,10 @@ def test_weights_stay_in_the_files_mapping(files: dict[str, Path], layout: str) 
             assert part.data_ptr() - base == g.tensor(full + ".weight").offset, full
 
 
-@pytest.mark.parametrize("layout", ["x8"], indirect=True)
+@pytest.mark.parametrize("layout", ["x8", "x16"], indirect=True)
 def test_packed_projections_hold_the_files_numbers(files: dict[str, Path], layout: str) -> None:
-    """Packed, a projection's Q4_K parts are copies in the packed layout that dequantize to the
-    file's values; its other parts stay views of the mapping."""
+    """Packed, a projection's parts of a type the layout packs (Q4_K; Q6_K too in x16) are copies in
+    the packed layout that dequantize to the file's values; its other parts stay views of the mapping."""
     llm = LLM(str(files["qwen2"]))
     g = GGUFFile(files["qwen2"])
     model = llm.engine.model
@@ -403,8 +439,8 @@ def test_packed_projections_hold_the_files_numbers(files: dict[str, Path], layou
         for part, type_id, short in zip(module.kernel.parts, module.kernel.types, names):
             t = g.tensor(f"blk.0.{short}.weight")
             file_values = torch.ops.specserve.gguf_dequantize(g.data(t.name), t.type_id, t.cols)
-            if t.type_name == "Q4_K":
-                assert type_id == 112 and part.data_ptr() - base != t.offset
-                assert torch.equal(torch.ops.specserve.gguf_dequantize(part, 112, t.cols), file_values)
+            if ops.PACKED_LAYOUTS[{"x8": "avx2", "x16": "avx512vnni"}[layout]].of(t.type_id) is not None:
+                assert type_id in ops.PACKED_BY_ID and part.data_ptr() - base != t.offset
+                assert torch.equal(torch.ops.specserve.gguf_dequantize(part, type_id, t.cols), file_values)
             else:
                 assert type_id == t.type_id and part.data_ptr() - base == t.offset

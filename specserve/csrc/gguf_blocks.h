@@ -14,8 +14,9 @@ enum GgmlType : int {
     kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
 };
 
-// Q4_K repacked eight rows at a time (gguf_packed.h): our id, 100 + the ggml type.
-enum PackedType : int { kQ4_Kx8 = 112 };
+// Q4_K repacked eight or sixteen rows at a time, Q6_K sixteen (gguf_packed.h): our ids, 100 (eight
+// rows) or 200 (sixteen) + the ggml type.
+enum PackedType : int { kQ4_Kx8 = 112, kQ4_Kx16 = 212, kQ6_Kx16 = 214 };
 
 constexpr int kQK = 256;  // elements of a k-quant super-block
 constexpr int kQ32 = 32;  // elements of a legacy (Q4_0, Q4_1, Q8_0) block
@@ -37,11 +38,15 @@ static inline bool type_info(int type, TypeInfo* out) {
         case kQ5_K: *out = {256, 176}; return true;
         case kQ6_K: *out = {256, 210}; return true;
         case kQ4_Kx8: *out = {256, 148}; return true;  // per row: a group of 8 rows is 8x this
+        case kQ4_Kx16: *out = {256, 148}; return true;  // a group of 16 rows is 16x this
+        case kQ6_Kx16: *out = {256, 210}; return true;
         default: return false;
     }
 }
 
-static inline bool is_packed(int type) { return type == kQ4_Kx8; }
+static inline bool is_packed(int type) { return type == kQ4_Kx8 || type == kQ4_Kx16 || type == kQ6_Kx16; }
+// Weight rows per group of a packed type (1 for the file's own types).
+static inline int pack_rows(int type) { return type == kQ4_Kx8 ? 8 : (is_packed(type) ? 16 : 1); }
 // Types multiplied with ActQ8K activations (the packed ones included).
 static inline bool is_k_quant(int type) {
     return type == kQ4_K || type == kQ5_K || type == kQ6_K || is_packed(type);
@@ -105,6 +110,7 @@ struct ActQ8K {
     int16_t bsums[16];
     int16_t bsums32[8];  // sums of q per 32 (Q4_K's mins, in the packed kernels' pairs)
     int8_t qs[kQK];
+    int32_t q6_offset[16];  // -32 * bsums (Q6_K's quants are stored plus 32; the packed kernel's start)
 };
 struct ActQ8B {
     float d;

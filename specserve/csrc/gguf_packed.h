@@ -1,22 +1,37 @@
-// Q4_K weights repacked eight rows at a time, so that one 32-byte vector holds four consecutive
-// quants of each of eight weight rows. A kernel multiplies it by four activation bytes broadcast
-// (vpmaddubsw: the eight rows' pair sums in int16 lanes), adds a whole sub-block's worth of those in
-// int16 (16 products of a 4-bit quant and an int8 of at most 127 in magnitude: at most 30480, no
-// overflow) and applies the sub-block scale once per sub-block, not once per 32 products: about half
-// the multiplies per weight of the file's layout, and the eight rows' results come out as the
-// eight lanes of one float vector. The repacking is lossless (unpack_group gives the file's bytes
-// back) and takes 148 bytes per row per 256 weights against the file's 144 (the sub-block scales and
-// mins kept as whole bytes).
+// Q4_K weights repacked several rows at a time, so that one vector holds four consecutive quants of
+// each of eight (a 32-byte vector: Q4_Kx8, for AVX2) or sixteen (a 64-byte vector: Q4_Kx16, for
+// AVX-512) weight rows. A kernel multiplies it by four activation bytes broadcast, so the rows'
+// results come out as the lanes of one vector (no horizontal sums), and applies each sub-block
+// scale once per sub-block, not once per 32 products:
+//   - AVX2 (vpmaddubsw): the rows' pair sums in int16 lanes, a whole sub-block's worth added in
+//     int16 (16 products of a 4-bit quant and an int8 of at most 127 in magnitude: at most 30480,
+//     no overflow), then times the scales (vpmaddwd);
+//   - AVX-512 VNNI (vpdpbusd): four products added into each row's int32 lane in one instruction,
+//     the activation bytes broadcast from memory by the instruction itself, then times the scales.
+// The repacking is lossless (unpack_group gives the file's bytes back) and takes 148 bytes per row
+// per 256 weights against the file's 144 (the sub-block scales and mins kept as whole bytes).
 //
-// A packed tensor keeps the shape [rows, row bytes] (rows a multiple of 8); group g (rows 8g..8g+7)
-// starts at byte 8 * g * row bytes and holds its super-blocks one after another. Q4_Kx8, 1184 bytes
-// per super-block of eight rows (r = row in the group, s = sub-block of 32):
-//     0   d[r]                f16
-//    16   dmin[r]             f16
-//    32   scale[s][r]         u8
-//    96   min[s/2][r][s%2]    u8
-//   160   qs[s/2][t][r][i]    the file's qs[32(s/2) + 4t + i] (t = 0..7, i = 0..3): low nibble, quant
-//                             4t + i of sub-block s & ~1; high nibble, of sub-block s | 1
+// Q6_K packed sixteen rows at a time (for AVX-512 VNNI) the same way: a vector holds four 6-bit quants
+// of each of sixteen rows, the sub-block scales apply once per sub-block of 16 (vpmulld), 210 bytes per
+// row per 256 weights, as in the file.
+//
+// A packed tensor keeps the shape [rows, row bytes] (rows a multiple of the group's R rows); group g
+// (rows Rg..Rg+R-1) starts at byte R * g * row bytes and holds its super-blocks one after another,
+// each R times the file's block bytes. Q4_K, 148 * R bytes (r = row in the group, s = sub-block of 32):
+//     0         d[r]                f16
+//     2R        dmin[r]             f16
+//     4R        scale[s][r]         u8
+//     12R       min[s/2][r][s%2]    u8
+//     20R       qs[s/2][t][r][i]    the file's qs[32(s/2) + 4t + i] (t = 0..7, i = 0..3): low nibble, quant
+//                                   4t + i of sub-block s & ~1; high nibble, of sub-block s | 1
+// Q6_K, 210 * R bytes (R = 16; quant j of a row, 0..255, is the file's 6-bit value, 32 + the weight's
+// multiple of d * scale; u = j / 4 is its group of four):
+//     0         d[r]                f16
+//     2R        scale[g][r]         i8 (g = sub-block of 16)
+//     18R       sixteen runs of 12R bytes, v = 0..15, each in the order the kernel reads them:
+//       +0        a[r][i]           low nibble: low four bits of quant 4v + i; high nibble: of 4(v + 32) + i
+//       +4R       b[r][i]           the same for quants 4(v + 16) + i and 4(v + 48) + i
+//       +8R       h[r][i]           bits 2k, 2k + 1: the top two bits of quant 4(v + 16k) + i (k = 0..3)
 #pragma once
 
 #include <cstdint>
@@ -25,20 +40,21 @@
 
 namespace specserve {
 
-constexpr int kPackRows = 8;
-constexpr int kQ4Kx8Bytes = 1184;
-
-// The packed type of a ggml type, or -1 where there is none.
-static inline int packed_type_of(int type) {
-    return type == kQ4_K ? kQ4_Kx8 : -1;
-}
-static inline int unpacked_type_of(int type) {
-    return type == kQ4_Kx8 ? kQ4_K : type;
+// Bytes of one packed super-block of a whole group (every row's 256 weights).
+static inline int packed_group_block_bytes(int packed_type) {
+    TypeInfo info;
+    return type_info(packed_type, &info) ? info.block_bytes * pack_rows(packed_type) : 0;
 }
 
-// Eight rows of `nb` super-blocks of `type` (kQ4_K), row r at src + r * src_row_bytes, into
-// one packed group at dst; and back (dst rows of the file's bytes).
-void pack_group(int type, const uint8_t* src, int64_t src_row_bytes, int64_t nb, uint8_t* dst);
+// The file's type a packed type holds (the type itself where it is not packed).
+static inline int unpacked_type_of(int type) { return is_packed(type) ? type % 100 : type; }
+
+// Whether `packed_type` is a packed layout of the ggml type `type`.
+static inline bool packs(int packed_type, int type) { return is_packed(packed_type) && unpacked_type_of(packed_type) == type; }
+
+// One group's rows of `nb` super-blocks of the file's type (row r at src + r * src_row_bytes) into
+// the packed layout at dst; and back (dst rows of the file's bytes).
+void pack_group(int packed_type, const uint8_t* src, int64_t src_row_bytes, int64_t nb, uint8_t* dst);
 void unpack_group(int packed_type, const uint8_t* src, int64_t nb, uint8_t* dst, int64_t dst_row_bytes);
 
 }  // namespace specserve

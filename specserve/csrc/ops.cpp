@@ -6,7 +6,7 @@
 //   gguf_dequantize(blocks, type, cols)          a tensor's rows as float32
 //   gguf_embedding(ids, blocks, type, cols)      the rows `ids` as float32 (an embedding lookup)
 //   gguf_round_activations(x, block)             x as the integer kernels see it (tests)
-//   gguf_pack(blocks, type, cols)                Q4_K rows repacked eight at a time (gguf_packed.h)
+//   gguf_pack(blocks, type, cols, packed_type)   Q4_K rows repacked 8 or 16 at a time (gguf_packed.h)
 //   cpu_isas()                                   the kernel variants this CPU can run (bit i: ISAS[i])
 // (kernel_ops.cpp adds the layer's other kernels and the native layer loop.)
 #include <ATen/Parallel.h>
@@ -33,8 +33,21 @@ bool isa_runs(int64_t isa) {
         case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
 #endif
+#if defined(__x86_64__) && defined(SPECSERVE_HAVE_AVX512)
+        case kAvx512Vnni: return isa_runs(kAvx2) && __builtin_cpu_supports("avx512f") &&
+                                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                                 __builtin_cpu_supports("avx512vnni");
+#endif
         default: return false;
     }
+}
+
+// Whether variant `isa` has kernels for weights of `type`: every variant reads the file's types and
+// its own packed layout (AVX-512's reads AVX2's too: it runs the AVX2 code for it); the portable one
+// reads every packed layout by unpacking it.
+bool variant_reads(int64_t isa, int type) {
+    if (!is_packed(type) || isa == kGeneric) return true;
+    return type == kQ4_Kx8 ? (isa == kAvx2 || isa == kAvx512Vnni) : isa == kAvx512Vnni;  // x16 layouts: AVX-512
 }
 
 namespace {
@@ -43,6 +56,9 @@ GemmFn gemm_fn(int64_t isa) {
     switch (isa) {
 #if defined(__x86_64__) && defined(SPECSERVE_HAVE_AVX2)
         case kAvx2: return avx2::gemm;
+#endif
+#if defined(__x86_64__) && defined(SPECSERVE_HAVE_AVX512)
+        case kAvx512Vnni: return avx512::gemm;
 #endif
         default: return generic::gemm;
     }
@@ -69,8 +85,8 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t cols, const char* w
                 info.block_elems, "-element blocks");
     TORCH_CHECK(w.size(1) == cols / info.block_elems * info.block_bytes, what, ": rows of ", w.size(1),
                 " bytes do not hold ", cols, " elements of type ", type);
-    TORCH_CHECK(!is_packed((int)type) || w.size(0) % kPackRows == 0, what, ": a packed tensor (type ", type,
-                ") has a multiple of ", kPackRows, " rows, got ", w.size(0));
+    TORCH_CHECK(w.size(0) % pack_rows((int)type) == 0, what, ": a packed tensor (type ", type, ") has a multiple of ",
+                pack_rows((int)type), " rows, got ", w.size(0));
 }
 
 // Activations rounded for the weight types present: Q8K blocks for k-quants, Q8B for the others.
@@ -143,7 +159,8 @@ void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M
         // small enough to balance the threads, large enough to amortise taking them
         int64_t chunk = parts[i].rows / (8 * threads);
         chunk = chunk < 8 ? 8 : (chunk > 256 ? 256 : chunk);
-        if (is_packed(type)) chunk -= chunk % kPackRows;  // whole groups of eight rows
+        const int group = pack_rows(type);  // a packed part is taken in whole groups of rows
+        chunk = chunk < group ? group : chunk - chunk % group;
         for (int64_t s = 0; s < parts[i].rows; s += chunk)
             chunks.push_back({i, s, s + chunk < parts[i].rows ? s + chunk : parts[i].rows});
         col += parts[i].rows;
@@ -175,6 +192,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntAr
         TORCH_CHECK(is_k_quant((int)types[i]) || is_legacy_quant((int)types[i]), "gguf_linear: weight ", i,
                     " has ggml type ", types[i], ", which has no integer kernel (dequantize it instead)");
         check_blocks(weights[i], types[i], K, "gguf_linear");
+        TORCH_CHECK(variant_reads(isa, (int)types[i]), "gguf_linear: kernel variant ", isa, " has no kernel for weight ",
+                    i, "'s packed type ", types[i]);
         parts[i] = {weights[i].data_ptr<uint8_t>(), weights[i].size(1), weights[i].size(0), types[i]};
         N += weights[i].size(0);
     }
@@ -195,17 +214,17 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t cols)
     at::Tensor out = at::empty({N, cols}, blocks.options().dtype(at::kFloat));
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     float* dst = out.data_ptr<float>();
-    if (is_packed((int)type)) {  // each group of eight rows back in the file's blocks, then as those
-        const int file_type = unpacked_type_of((int)type);
+    if (is_packed((int)type)) {  // each group of rows back in the file's blocks, then as those
+        const int file_type = unpacked_type_of((int)type), R = pack_rows((int)type);
         TypeInfo info;
         type_info(file_type, &info);
         const int64_t nb = cols / kQK, file_rb = nb * info.block_bytes;
-        at::parallel_for(0, N / kPackRows, 8, [&](int64_t g0, int64_t g1) {
-            std::vector<uint8_t> rows((size_t)(kPackRows * file_rb));
+        at::parallel_for(0, N / R, 8, [&](int64_t g0, int64_t g1) {
+            std::vector<uint8_t> rows((size_t)(R * file_rb));
             for (int64_t g = g0; g < g1; g++) {
-                unpack_group((int)type, src + g * kPackRows * rb, nb, rows.data(), file_rb);
-                for (int r = 0; r < kPackRows; r++)
-                    dequantize_row(file_type, rows.data() + r * file_rb, cols, dst + (g * kPackRows + r) * cols);
+                unpack_group((int)type, src + g * R * rb, nb, rows.data(), file_rb);
+                for (int r = 0; r < R; r++)
+                    dequantize_row(file_type, rows.data() + r * file_rb, cols, dst + (g * R + r) * cols);
             }
         });
         return out;
@@ -216,20 +235,21 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t cols)
     return out;
 }
 
-at::Tensor gguf_pack(const at::Tensor& blocks, int64_t type, int64_t cols) {
+at::Tensor gguf_pack(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t packed_type) {
     check_blocks(blocks, type, cols, "gguf_pack");
-    const int packed = packed_type_of((int)type);
-    TORCH_CHECK(packed > 0, "gguf_pack: ggml type ", type, " has no packed layout (Q4_K has)");
+    TORCH_CHECK(packs((int)packed_type, (int)type), "gguf_pack: ggml type ", type, " has no packed layout ",
+                packed_type, " (Q4_K has 112: eight rows, and 212: sixteen; Q6_K 214: sixteen)");
+    const int R = pack_rows((int)packed_type);
     const int64_t N = blocks.size(0), rb = blocks.size(1), nb = cols / kQK;
-    TORCH_CHECK(N % kPackRows == 0, "gguf_pack: ", N, " rows are not whole groups of ", kPackRows);
+    TORCH_CHECK(N % R == 0, "gguf_pack: ", N, " rows are not whole groups of ", R);
     TypeInfo info;
-    type_info(packed, &info);
+    type_info((int)packed_type, &info);
     at::Tensor out = at::empty({N, nb * info.block_bytes}, blocks.options());
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
-    const int64_t group_bytes = kPackRows * nb * info.block_bytes;
-    at::parallel_for(0, N / kPackRows, 16, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; g++) pack_group((int)type, src + g * kPackRows * rb, rb, nb, dst + g * group_bytes);
+    const int64_t group_bytes = R * nb * info.block_bytes;
+    at::parallel_for(0, N / R, 16, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; g++) pack_group((int)packed_type, src + g * R * rb, rb, nb, dst + g * group_bytes);
     });
     return out;
 }
@@ -291,7 +311,7 @@ TORCH_LIBRARY(specserve, m) {
     m.def("gguf_dequantize(Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_embedding(Tensor ids, Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_round_activations(Tensor x, int block) -> Tensor");
-    m.def("gguf_pack(Tensor blocks, int type, int cols) -> Tensor");
+    m.def("gguf_pack(Tensor blocks, int type, int cols, int packed_type) -> Tensor");
     m.def("cpu_isas() -> int", &specserve::cpu_isas);
 }
 

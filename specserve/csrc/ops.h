@@ -6,7 +6,7 @@
 namespace specserve {
 
 // Variant ids, as the Python side names them (specserve.model.ops.ISAS).
-enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kIsaCount = 2 };
+enum Isa : int64_t { kGeneric = 0, kAvx2 = 1, kAvx512Vnni = 2, kIsaCount = 3 };
 
 constexpr int kMaxParts = 4;
 

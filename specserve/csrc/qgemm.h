@@ -2,7 +2,7 @@
 //
 // The activations are first rounded to int8 per row (ActQ8K for the k-quants, ActQ8B for the
 // legacy types; see gguf_blocks.h); the weights stay in the file's blocks (or Q4_K repacked
-// losslessly eight rows at a time, gguf_packed.h). A kernel walks its
+// losslessly eight or sixteen rows at a time, gguf_packed.h). A kernel walks its
 // weight rows once and, for each block, unpacks it once and applies it to every activation row of
 // a tile: M rows cost little more weight traffic than one (the room a token tree is verified in).
 //
@@ -35,6 +35,9 @@ namespace generic {
 void gemm(const GemmTask& task, int64_t n0, int64_t n1);
 }
 namespace avx2 {
+void gemm(const GemmTask& task, int64_t n0, int64_t n1);
+}
+namespace avx512 {  // AVX-512 F/BW/VL + VNNI; the types it has no kernel of its own for run avx2's
 void gemm(const GemmTask& task, int64_t n0, int64_t n1);
 }
 

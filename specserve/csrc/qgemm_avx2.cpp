@@ -245,13 +245,15 @@ inline void dot_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, __m256*
     }
 }
 
+constexpr int kX8Bytes = 148 * 8;  // a packed super-block of eight rows
+
 template <int R>
 inline void group_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m256* out) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = g + b * kQ4Kx8Bytes;
-        for (int l = 0; l < kQ4Kx8Bytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+        const uint8_t* blk = g + b * kX8Bytes;
+        for (int l = 0; l < kX8Bytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
         dot_q4kx8<R>(blk, x + b, stride, acc);
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
@@ -269,7 +271,7 @@ void gemm_q4kx8(const GemmTask& t, int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
         const int mt = (int)min64(tile, t.M - m0);
         const ActQ8K* x = xq + m0 * nb;
-        for (int64_t n = n0; n < n1; n += kPackRows) {
+        for (int64_t n = n0; n < n1; n += 8) {
             const uint8_t* g = t.w + n * t.row_bytes;
             const __m256 bias = t.bias ? _mm256_loadu_ps(t.bias + n) : _mm256_setzero_ps();
             for (int i = 0; i < mt; i += kX8Rows) {

@@ -68,6 +68,7 @@ void quantize_q8k(const float* x, int64_t n, ActQ8K* out) {
             o.bsums[g] = (int16_t)s;
         }
         for (int g = 0; g < 8; g++) o.bsums32[g] = (int16_t)(o.bsums[2 * g] + o.bsums[2 * g + 1]);
+        for (int g = 0; g < 16; g++) o.q6_offset[g] = -32 * o.bsums[g];
     }
 }
 
@@ -269,23 +270,23 @@ void gemm_rows(const GemmTask& t, int64_t n0, int64_t n1);
 
 void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
     if (!is_packed(t.type)) return gemm_rows(t, n0, n1);
-    // Packed groups of eight rows: each group back in the file's layout, then the same arithmetic
-    // (here packing changes nothing in the results).
-    const int type = unpacked_type_of(t.type);
+    // Packed groups of rows: each group back in the file's layout, then the same arithmetic (here
+    // packing changes nothing in the results).
+    const int type = unpacked_type_of(t.type), R = pack_rows(t.type);
     TypeInfo info;
     type_info(type, &info);
     const int64_t nb = t.K / info.block_elems, file_rb = nb * info.block_bytes;
     thread_local std::vector<uint8_t> rows;
-    rows.resize((size_t)(kPackRows * file_rb));
+    rows.resize((size_t)(R * file_rb));
     GemmTask u = t;
     u.type = type;
     u.row_bytes = file_rb;
     u.w = rows.data();
-    for (int64_t g0 = n0; g0 < n1; g0 += kPackRows) {
+    for (int64_t g0 = n0; g0 < n1; g0 += R) {
         unpack_group(t.type, t.w + g0 * t.row_bytes, nb, rows.data(), file_rb);
         u.y = t.y + g0;
         u.bias = t.bias ? t.bias + g0 : nullptr;
-        gemm_rows(u, 0, kPackRows);
+        gemm_rows(u, 0, R);
     }
 }
 

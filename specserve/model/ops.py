@@ -12,18 +12,47 @@ to rebuild.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 # Kernel variants by id (ops.cpp's Isa enum): the instruction sets the quantized kernels were
 # compiled for. Which of them runs a given weight shape is decided by timing (KernelTuner).
-ISAS = ("generic", "avx2")
+ISAS = ("generic", "avx2", "avx512vnni")
 
-# ggml types with a packed layout (csrc/gguf_packed.h): type -> (packed type id, bytes per 256
-# weights of a row); a packed tensor's rows are whole groups of PACK_ROWS.
-PACKED = {12: (112, 148)}  # Q4_K -> Q4_Kx8
-PACK_ROWS = 8
+
+
+@dataclass(frozen=True)
+class PackedType:
+    """A ggml type's weights repacked `rows` rows at a time (csrc/gguf_packed.h): a packed tensor's
+    rows are whole groups of `rows`."""
+
+    type_id: int  # the packed type's id (ops.cpp)
+    source: int  # the ggml type it holds
+    rows: int
+    bytes_per_256: int  # per row, per 256 weights
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """The packed types one vectorised variant's kernels read."""
+
+    name: str  # the kernel candidate's suffix ("gguf-avx2-x8")
+    types: tuple[PackedType, ...]
+
+    def of(self, source: int) -> PackedType | None:
+        """The packed type this layout has for ggml type `source`, if any."""
+        return next((t for t in self.types if t.source == source), None)
+
+
+# The packed layout each vectorised variant reads: Q4_K eight rows to a 32-byte vector (AVX2);
+# Q4_K and Q6_K sixteen rows to a 64-byte vector (AVX-512 VNNI).
+PACKED_LAYOUTS = {
+    "avx2": PackedLayout("x8", (PackedType(112, 12, 8, 148),)),
+    "avx512vnni": PackedLayout("x16", (PackedType(212, 12, 16, 148), PackedType(214, 14, 16, 210))),
+}
+PACKED_BY_ID = {t.type_id: t for layout in PACKED_LAYOUTS.values() for t in layout.types}
 
 
 class KernelLibraryError(RuntimeError):
@@ -64,8 +93,8 @@ def _register_fakes() -> None:
         return blocks.new_empty(*ids.shape, cols, dtype=torch.float32)
 
     @torch.library.register_fake("specserve::gguf_pack")
-    def _(blocks, type, cols):  # type: ignore[no-untyped-def]
-        return blocks.new_empty(blocks.shape[0], cols // 256 * PACKED[type][1])
+    def _(blocks, type, cols, packed_type):  # type: ignore[no-untyped-def]
+        return blocks.new_empty(blocks.shape[0], cols // 256 * PACKED_BY_ID[packed_type].bytes_per_256)
 
     @torch.library.register_fake("specserve::gguf_round_activations")
     def _(x, block):  # type: ignore[no-untyped-def]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.model.ops import PACK_ROWS, PACKED
+from specserve.model.ops import PACKED_BY_ID, PACKED_LAYOUTS, PackedLayout
 
 logger = logging.getLogger("specserve.model")
 
@@ -305,7 +305,7 @@ class GGUFLinearKernel(nn.Module):
     """A projection over GGUF weight tensors (each its own type: a fused q/k/v may be Q4_K, Q4_K and
     Q6_K), stacked along the output; activations float32, rounded to int8 per block inside the
     operator. `isa` names the compiled variant that runs it. A part is the file's blocks or, for
-    the packed types (PACKED), the same blocks repacked by `pack_gguf_parts`."""
+    the packed types (ops.PACKED_LAYOUTS), the same blocks repacked by `pack_gguf_parts`."""
 
     def __init__(self, parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str) -> None:
         super().__init__()
@@ -331,44 +331,53 @@ class GGUFLinearKernel(nn.Module):
 
 def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
     from specserve.model.gguf_file import GGML_TYPES
-    packed = {pid: size for pid, size in PACKED.values()}
-    elems, size = (256, packed[type_id]) if type_id in packed else GGML_TYPES[type_id][1:]
+    if type_id in PACKED_BY_ID:
+        elems, size = 256, PACKED_BY_ID[type_id].bytes_per_256
+    else:
+        elems, size = GGML_TYPES[type_id][1:]
     return blocks.shape[1] // size * elems
 
 
-def packable(part: torch.Tensor, type_id: int) -> bool:
-    return type_id in PACKED and part.shape[0] % PACK_ROWS == 0
+def packable(part: torch.Tensor, type_id: int, layout: PackedLayout) -> bool:
+    packed = layout.of(type_id)
+    return packed is not None and part.shape[0] % packed.rows == 0
 
 
-def pack_gguf_parts(parts: list[torch.Tensor], types: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-    """The parts with a packed layout repacked (new memory; the same numbers, losslessly), the
+def pack_gguf_parts(parts: list[torch.Tensor], types: list[int],
+                    layout: PackedLayout) -> tuple[list[torch.Tensor], list[int]]:
+    """The parts `layout` can hold repacked into it (new memory; the same numbers, losslessly), the
     others as they are."""
     out_parts, out_types = [], []
     for p, t in zip(parts, types):
-        if packable(p, t):
-            out_parts.append(torch.ops.specserve.gguf_pack(p, t, _gguf_cols(p, t)))
-            out_types.append(PACKED[t][0])
+        if packable(p, t, layout):
+            packed = layout.of(t)
+            assert packed is not None
+            out_parts.append(torch.ops.specserve.gguf_pack(p, t, _gguf_cols(p, t), packed.type_id))
+            out_types.append(packed.type_id)
         else:
             out_parts.append(p)
             out_types.append(t)
     return out_parts, out_types
 
 
-def _packed_kernel(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str) -> "GGUFLinearKernel":
-    return GGUFLinearKernel(*pack_gguf_parts(parts, types), bias, isa)
+def _packed_kernel(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str,
+                   layout: PackedLayout) -> "GGUFLinearKernel":
+    return GGUFLinearKernel(*pack_gguf_parts(parts, types, layout), bias, isa)
 
 
 def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None) -> dict[str, KernelFactory]:
-    """The compiled variants this CPU runs for these GGUF tensors, by name: "gguf-avx2" over the
-    file's blocks, "gguf-avx2-x8" over Q4_K repacked eight rows at a time (for the vectorised
-    variants, where a part can be packed)."""
+    """The compiled variants this CPU runs for these GGUF tensors, by name: "gguf-<isa>" over the
+    file's blocks and, where the variant reads a packed layout and a part can be packed into it,
+    "gguf-<isa>-<layout>" (Q4_K eight rows at a time for avx2: "x8"; Q4_K and Q6_K sixteen for
+    avx512vnni: "x16")."""
     from specserve.model import ops
 
     out: dict[str, KernelFactory] = {}
     for isa in ops.runnable_isas():
         out[f"gguf-{isa}"] = functools.partial(GGUFLinearKernel, parts, types, bias, isa)
-        if isa != "generic" and any(packable(p, t) for p, t in zip(parts, types)):
-            out[f"gguf-{isa}-x8"] = functools.partial(_packed_kernel, parts, types, bias, isa)
+        layout = PACKED_LAYOUTS.get(isa)
+        if layout is not None and any(packable(p, t, layout) for p, t in zip(parts, types)):
+            out[f"gguf-{isa}-{layout.name}"] = functools.partial(_packed_kernel, parts, types, bias, isa, layout)
     return out
 
 

@@ -1,0 +1,307 @@
+// AVX-512 + VNNI kernels (compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni
+// -mavx2 -mfma -mf16c; run only where the CPU has all of them: ops.cpp isa_runs).
+//
+// Q4_K packed sixteen weight rows at a time (gguf_packed.h): one 64-byte vector holds four quants
+// of each of sixteen rows; vpdpbusd multiplies it by four activation bytes, broadcast from memory by
+// the instruction itself, and adds the four products into each row's int32 lane: one instruction per
+// 64 products, where AVX2 needs a vpmaddubsw and a vpaddw per 32. A sub-block's sums take their
+// scales once (vpmulld), the mins' share comes from the activations' sums per 32 (vpdpwssd), and the
+// sixteen rows' results are the lanes of one float vector.
+//
+// Q6_K packed sixteen rows at a time likewise (vpdpbusd on its 6-bit quants, which are unsigned).
+// Q6_K in the file's layout, 64 quants a vector: vpmaddubsw (6-bit quants times int8, pair sums in
+// int16: at most 2 * 63 * 127) then vpdpwssd (times the sub-block scales, added into int32); the
+// quants' offset of 32 is one more vpdpwssd of the activations' sums per 16 against -32 times the
+// scales.
+//
+// The other types run the AVX2 kernels (avx2::gemm): this variant adds nothing to them.
+// Every activation row has its own accumulators and visits the blocks in the same order whatever
+// M or the tile: a row's result is bit for bit the same alone or in any batch.
+#include <immintrin.h>
+
+#include "gguf_blocks.h"
+#include "gguf_packed.h"
+#include "qgemm.h"
+
+namespace specserve {
+namespace avx512 {
+namespace {
+
+constexpr int kMaxTile = 64;
+constexpr int kPrefetch = 2048;  // weight bytes ahead asked of the cache (as the AVX2 kernels)
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline int tile_rows(int64_t K) {
+    const int64_t t = 262144 / K;
+    return (int)(t < 4 ? 4 : (t > kMaxTile ? kMaxTile : t));
+}
+
+inline __m512i bcast4(const void* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// acc + four products per lane of q (unsigned) and the four signed bytes at p, broadcast by the
+// instruction itself ({1to16}: GCC does not fold a separate broadcast into vpdpbusd).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i q, const void* p) {
+#ifdef SPECSERVE_NO_EMBEDDED_BCAST
+    return _mm512_dpbusd_epi32(acc, q, bcast4(p));
+#else
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t*)p));
+    return acc;
+#endif
+}
+
+// ---- Q4_K packed sixteen rows at a time ---------------------------------------------------------
+
+constexpr int kX16 = 16;
+constexpr int kX16Bytes = 148 * kX16;  // a packed super-block of sixteen rows
+// Byte offsets in a packed super-block (gguf_packed.h with R = 16).
+constexpr int kX16Dmin = 32, kX16Scales = 64, kX16Mins = 192, kX16Qs = 320;
+
+// Q4_Kx16 super-block times R activation blocks (x[r * stride]); acc[r] lane j += row j's share.
+template <int R>
+inline void dot_q4kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i isum[R];
+    for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        const uint8_t* qs = g + kX16Qs + 512 * (s >> 1);
+        __m512i p[R];
+        for (int r = 0; r < R; r++) p[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m512i w = _mm512_loadu_si512((const void*)(qs + 64 * t));
+            const __m512i q = _mm512_and_si512(s & 1 ? _mm512_srli_epi16(w, 4) : w, m4);
+            for (int r = 0; r < R; r++) p[r] = dpbusd_bcast(p[r], q, x[r * stride].qs + 32 * s + 4 * t);
+        }
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(g + kX16Scales + 16 * s)));
+        for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p[r], sc));
+    }
+    __m512i off[R];  // mins: pairs of sub-blocks against pairs of 32-sums
+    for (int r = 0; r < R; r++) off[r] = _mm512_setzero_si512();
+    for (int pr = 0; pr < 4; pr++) {
+        const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(g + kX16Mins + 32 * pr)));
+        for (int r = 0; r < R; r++) off[r] = _mm512_dpwssd_epi32(off[r], mn, bcast4(x[r * stride].bsums32 + 2 * pr));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + kX16Dmin)));
+    for (int r = 0; r < R; r++) {
+        const __m512 xd = _mm512_set1_ps(x[r * stride].d);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, xd), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off[r]), _mm512_mul_ps(dmin, xd), acc[r]);
+    }
+}
+
+// ---- Q6_K packed sixteen rows at a time -----------------------------------------------------------
+
+constexpr int kQ6x16Bytes = 210 * kX16;
+constexpr int kQ6x16Scales = 32, kQ6x16Runs = 288, kQ6x16Run = 192;  // gguf_packed.h with R = 16
+
+// Q6_Kx16 super-block times R activation blocks; acc[r] lane j += row j's share. Run v of the block
+// gives four groups of four quants, u = v, v + 16, v + 32, v + 48 (sub-blocks v / 4 + 4k); a
+// sub-block's sums start at the activation's -32 * (its sum) (the quants are stored plus 32), take
+// its four groups (vpdpbusd), then its scales. The block is read front to back.
+template <int R>
+inline void dot_q6kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512i isum[R];
+    for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {  // runs 4c .. 4c + 3 complete sub-blocks c, c + 4, c + 8, c + 12
+        __m512i p[4][R];
+        for (int k = 0; k < 4; k++)
+            for (int r = 0; r < R; r++) p[k][r] = bcast4(x[r * stride].q6_offset + c + 4 * k);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const int v = 4 * c + i;
+            const uint8_t* run = g + kQ6x16Runs + kQ6x16Run * v;
+            const __m512i a = _mm512_loadu_si512((const void*)run);
+            const __m512i b = _mm512_loadu_si512((const void*)(run + 64));
+            const __m512i h = _mm512_loadu_si512((const void*)(run + 128));
+            // top bits 2k, 2k + 1 of each byte to bits 4, 5 (16-bit shifts: what crosses a byte is masked off);
+            // (lo & m4) | hi in one vpternlogd
+            const __m512i q[4] = {
+                _mm512_ternarylogic_epi32(a, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), m4, 0xEC),
+                _mm512_ternarylogic_epi32(b, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), m4, 0xEC),
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), _mm512_and_si512(h, m30), m4, 0xEC),
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), m4, 0xEC),
+            };
+            for (int k = 0; k < 4; k++)
+                for (int r = 0; r < R; r++) p[k][r] = dpbusd_bcast(p[k][r], q[k], x[r * stride].qs + 4 * (v + 16 * k));
+        }
+        for (int k = 0; k < 4; k++) {
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(g + kQ6x16Scales + 16 * (c + 4 * k))));
+            for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p[k][r], sc));
+        }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g));
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r * stride].d)), acc[r]);
+}
+
+// ---- both packed types: groups of sixteen weight rows against every activation row ---------------
+
+template <int Type>
+struct Packed16;
+template <>
+struct Packed16<kQ4_Kx16> {
+    static constexpr int kBytes = kX16Bytes;
+    template <int R>
+    static void dot(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) { dot_q4kx16<R>(g, x, stride, acc); }
+};
+template <>
+struct Packed16<kQ6_Kx16> {
+    static constexpr int kBytes = kQ6x16Bytes;
+    template <int R>
+    static void dot(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) { dot_q6kx16<R>(g, x, stride, acc); }
+};
+
+template <int Type, int R>
+inline void group16(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m512* out) {
+    constexpr int kBytes = Packed16<Type>::kBytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = g + b * kBytes;
+        for (int l = 0; l < kBytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+        Packed16<Type>::template dot<R>(blk, x + b, stride, acc);
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+#ifndef SPECSERVE_X16_ROWS
+#define SPECSERVE_X16_ROWS 4
+#endif
+constexpr int kX16Rows = SPECSERVE_X16_ROWS;  // activation rows a packed group is applied to in one pass
+
+template <int Type, int R>
+inline void group16_rows(int rows, const uint8_t* g, const ActQ8K* x, int64_t nb, __m512* out) {
+    if constexpr (R > 1) {
+        if (rows < R) return group16_rows<Type, R - 1>(rows, g, x, nb, out);
+    }
+    group16<Type, R>(g, x, nb, nb, out);
+}
+
+template <int Type>
+void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
+    const int64_t nb = t.K / kQK;
+    const int tile = tile_rows(t.K);
+    const ActQ8K* xq = (const ActQ8K*)t.xq;
+    __m512 out[kX16Rows];
+    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
+        const int mt = (int)min64(tile, t.M - m0);
+        const ActQ8K* x = xq + m0 * nb;
+        for (int64_t n = n0; n < n1; n += kX16) {
+            const uint8_t* g = t.w + n * t.row_bytes;
+            const __m512 bias = t.bias ? _mm512_loadu_ps(t.bias + n) : _mm512_setzero_ps();
+            for (int i = 0; i < mt; i += kX16Rows) {
+                const int rows = mt - i < kX16Rows ? mt - i : kX16Rows;
+                group16_rows<Type, kX16Rows>(rows, g, x + i * nb, nb, out);
+                for (int r = 0; r < rows; r++) _mm512_storeu_ps(t.y + (m0 + i + r) * t.ldy + n, _mm512_add_ps(out[r], bias));
+            }
+        }
+    }
+}
+
+// ---- Q6_K in the file's layout ------------------------------------------------------------------
+
+// int16 lane l of a scale vector takes scale 4k + l / 8 (sub-blocks of 16: a 64-quant vector holds
+// four), for k = 0..3 (the vector's place in the super-block).
+alignas(64) const int16_t kScaleIdx[4][32] = {
+#define SI(k) {4 * k, 4 * k, 4 * k, 4 * k, 4 * k, 4 * k, 4 * k, 4 * k,                                 \
+                4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, \
+                4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, \
+                4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3}
+    SI(0), SI(1), SI(2), SI(3)
+#undef SI
+};
+
+// Q6_K super-block times R activation blocks: acc[r] += its share, in 16 lanes.
+template <int R>
+inline void dot_q6k(const uint8_t* blk, const ActQ8K* x, int64_t stride, __m512* acc) {
+    const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192))));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512i sum[R];
+    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        // ql: quants 128h + 0..63 in the low nibbles, 128h + 64..127 in the high; qh: their top two
+        // bits, the first 32 quants of each 64 at bits 2i, the second 32 at bits 2i + 2 (i = 0, 2)
+        const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));
+        const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+        const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(vh), _mm256_srli_epi16(vh, 2), 1);
+        const __m512i q[2] = {
+            _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(qh, m30)),
+        };
+        for (int k = 0; k < 2; k++) {
+            const int j = 2 * h + k;  // quants 64j .. 64j + 63: sub-blocks 4j .. 4j + 3
+            const __m512i sc = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)kScaleIdx[j]), sc16);
+            for (int r = 0; r < R; r++) {
+                const __m512i xq = _mm512_loadu_si512((const void*)(x[r * stride].qs + 64 * j));
+                sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(q[k], xq), sc);
+            }
+        }
+    }
+    // the offset: -32 * scale[g] * (sum of the activation's 16 quants of sub-block g)
+    const __m512i neg32 = _mm512_mullo_epi16(sc16, _mm512_set1_epi16(-32));
+    const float d = _cvtsh_ss(*(const uint16_t*)(blk + 208));
+    for (int r = 0; r < R; r++) {
+        const ActQ8K& xr = x[r * stride];
+        const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)xr.bsums));
+        const __m512i v = _mm512_dpwssd_epi32(sum[r], bs, neg32);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * xr.d), acc[r]);
+    }
+}
+
+// One Q6_K weight row against R activation rows: each block unpacked once for the R rows.
+template <int R>
+inline void row_q6k(const uint8_t* row, const ActQ8K* x, int64_t stride, int64_t nb, float* out) {
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int l = 0; l < 210; l += 64) _mm_prefetch((const char*)(row + b * 210 + kPrefetch + l), _MM_HINT_T0);
+        dot_q6k<R>(row + b * 210, x + b, stride, acc);
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+void gemm_q6k(const GemmTask& t, int64_t n0, int64_t n1) {
+    const int64_t nb = t.K / kQK;
+    const int tile = tile_rows(t.K);
+    const ActQ8K* xq = (const ActQ8K*)t.xq;
+    float out[kMaxTile];
+    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
+        const int mt = (int)min64(tile, t.M - m0);
+        const ActQ8K* x = xq + m0 * nb;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t* row = t.w + n * t.row_bytes;
+            int i = 0;
+            for (; i + 4 <= mt; i += 4) row_q6k<4>(row, x + i * nb, nb, nb, out + i);
+            switch (mt - i) {
+                case 3: row_q6k<3>(row, x + i * nb, nb, nb, out + i); break;
+                case 2: row_q6k<2>(row, x + i * nb, nb, nb, out + i); break;
+                case 1: row_q6k<1>(row, x + i * nb, nb, nb, out + i); break;
+                default: break;
+            }
+            for (int r = 0; r < mt; r++) t.y[(m0 + r) * t.ldy + n] = out[r] + (t.bias ? t.bias[n] : 0.0f);
+        }
+    }
+}
+
+}  // namespace
+
+void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
+    switch (t.type) {
+        case kQ4_Kx16: return gemm_packed16<kQ4_Kx16>(t, n0, n1);
+        case kQ6_Kx16: return gemm_packed16<kQ6_Kx16>(t, n0, n1);
+        case kQ6_K: return gemm_q6k(t, n0, n1);
+        default: return avx2::gemm(t, n0, n1);
+    }
+}
+
+}  // namespace avx512
+}  // namespace specserve
