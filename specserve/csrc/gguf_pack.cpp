@@ -62,45 +62,56 @@ void unpack_q4k(const Q4KLayout L, const uint8_t* src, int64_t nb, uint8_t* dst,
     }
 }
 
-// Q6_K: quant j of a file block (6 bits, 0..63) and back. The file keeps, per half h of 128 quants,
+// Q6_K: a file block's 256 6-bit quants and back. The file keeps, per half h of 128 quants,
 // ql[64h + l] (low nibbles of quants 128h + l, high nibbles of 128h + 64 + l, l < 64) and
 // qh[32h + l] (bits 2c, 2c + 1: quant 128h + 32c + l, l < 32).
-inline int q6_get(const uint8_t* blk, int j) {
-    const int h = j / 128, c = (j % 128) / 32, l = j % 32;
-    const uint8_t ql = blk[64 * h + 32 * (c & 1) + l];
-    const uint8_t qh = blk[128 + 32 * h + l];
-    return ((c & 2 ? ql >> 4 : ql) & 0xF) | (((qh >> (2 * c)) & 3) << 4);
+void q6_quants(const uint8_t* blk, uint8_t* q) {
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t ql0 = blk[64 * h + l], ql1 = blk[64 * h + 32 + l], qh = blk[128 + 32 * h + l];
+            q[128 * h + l] = (uint8_t)((ql0 & 0xF) | ((qh & 3) << 4));
+            q[128 * h + 32 + l] = (uint8_t)((ql1 & 0xF) | (((qh >> 2) & 3) << 4));
+            q[128 * h + 64 + l] = (uint8_t)((ql0 >> 4) | (((qh >> 4) & 3) << 4));
+            q[128 * h + 96 + l] = (uint8_t)((ql1 >> 4) | (((qh >> 6) & 3) << 4));
+        }
 }
 
-inline void q6_set(uint8_t* blk, int j, int q) {  // blk's ql and qh start zeroed
-    const int h = j / 128, c = (j % 128) / 32, l = j % 32;
-    blk[64 * h + 32 * (c & 1) + l] |= (uint8_t)((q & 0xF) << (c & 2 ? 4 : 0));
-    blk[128 + 32 * h + l] |= (uint8_t)((q >> 4) << (2 * c));
+void q6_block(const uint8_t* q, uint8_t* blk) {  // the quants' ql and qh
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t* x = q + 128 * h + l;
+            blk[64 * h + l] = (uint8_t)((x[0] & 0xF) | (x[64] << 4));
+            blk[64 * h + 32 + l] = (uint8_t)((x[32] & 0xF) | (x[96] << 4));
+            blk[128 + 32 * h + l] = (uint8_t)((x[0] >> 4) | ((x[32] >> 4) << 2) | ((x[64] >> 4) << 4) | ((x[96] >> 4) << 6));
+        }
 }
 
+// Offsets in a packed Q6_K super-block of R = 16 rows (gguf_packed.h): run v holds a, b, h for the
+// quants of groups u = v, v + 16, v + 32, v + 48 (quant 4u + i).
 struct Q6KLayout {
     static constexpr int R = 16;
     static int scale(int g, int r) { return 2 * R + R * g + r; }
-    // quant j (= 4u + i) of row r: its low four bits' byte (nibble: high for u >= 32) and top bits'
-    // byte, in the 192-byte run of v = u % 16
-    static int run(int j) { return 18 * R + 12 * R * (j / 4 % 16); }
-    static int ql(int j, int r) { return run(j) + 4 * R * (j / 64 % 2) + 4 * r + j % 4; }
-    static int qh(int j, int r) { return run(j) + 8 * R + 4 * r + j % 4; }
+    static int run(int v) { return 18 * R + 12 * R * v; }
     static constexpr int bytes() { return 210 * R; }
 };
 
 void pack_q6k(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {
     using L = Q6KLayout;
+    uint8_t q[kQK];
     for (int64_t b = 0; b < nb; b++, dst += L::bytes()) {
-        std::memset(dst, 0, L::bytes());
         for (int r = 0; r < L::R; r++) {
             const uint8_t* blk = src + r * rb + b * 210;
             std::memcpy(dst + 2 * r, blk + 208, 2);
             for (int g = 0; g < 16; g++) dst[L::scale(g, r)] = blk[192 + g];
-            for (int j = 0; j < kQK; j++) {
-                const int q = q6_get(blk, j), u = j / 4;
-                dst[L::ql(j, r)] |= (uint8_t)((q & 0xF) << (u >= 32 ? 4 : 0));
-                dst[L::qh(j, r)] |= (uint8_t)((q >> 4) << (2 * (u / 16)));
+            q6_quants(blk, q);
+            for (int v = 0; v < 16; v++) {
+                uint8_t* run = dst + L::run(v) + 4 * r;
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t q0 = q[4 * v + i], q1 = q[4 * (v + 16) + i], q2 = q[4 * (v + 32) + i], q3 = q[4 * (v + 48) + i];
+                    run[i] = (uint8_t)((q0 & 0xF) | (q2 << 4));
+                    run[4 * L::R + i] = (uint8_t)((q1 & 0xF) | (q3 << 4));
+                    run[8 * L::R + i] = (uint8_t)((q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6));
+                }
             }
         }
     }
@@ -108,18 +119,23 @@ void pack_q6k(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {
 
 void unpack_q6k(const uint8_t* src, int64_t nb, uint8_t* dst, int64_t rb) {
     using L = Q6KLayout;
+    uint8_t q[kQK];
     for (int64_t b = 0; b < nb; b++, src += L::bytes()) {
         for (int r = 0; r < L::R; r++) {
             uint8_t* blk = dst + r * rb + b * 210;
-            std::memset(blk, 0, 192);
             std::memcpy(blk + 208, src + 2 * r, 2);
             for (int g = 0; g < 16; g++) blk[192 + g] = src[L::scale(g, r)];
-            for (int j = 0; j < kQK; j++) {
-                const int u = j / 4;
-                const int lo = (src[L::ql(j, r)] >> (u >= 32 ? 4 : 0)) & 0xF;
-                const int hi = (src[L::qh(j, r)] >> (2 * (u / 16))) & 3;
-                q6_set(blk, j, lo | (hi << 4));
+            for (int v = 0; v < 16; v++) {
+                const uint8_t* run = src + L::run(v) + 4 * r;
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t a = run[i], bb = run[4 * L::R + i], h = run[8 * L::R + i];
+                    q[4 * v + i] = (uint8_t)((a & 0xF) | ((h & 3) << 4));
+                    q[4 * (v + 16) + i] = (uint8_t)((bb & 0xF) | (((h >> 2) & 3) << 4));
+                    q[4 * (v + 32) + i] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
+                    q[4 * (v + 48) + i] = (uint8_t)((bb >> 4) | (((h >> 6) & 3) << 4));
+                }
             }
+            q6_block(q, blk);
         }
     }
 }
