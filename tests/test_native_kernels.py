@@ -325,6 +325,10 @@ def test_operators_have_right_schemas_and_fakes_for_torch_compile() -> None:
         "paged_attention": (torch.randn(2, 4, 16), kc, vc, *[torch.tensor(v, dtype=torch.int32) for v in
                                                              ([0], [2], [2], [0], [0])],
                             torch.zeros(1, dtype=torch.uint8), torch.tensor([-1]), 0.25, isa),  # 2 rows, causal
+        # Q4_K rows (144 bytes per 256 weights) repacked sixteen at a time, and into given rows
+        "gguf_pack": (torch.randint(0, 255, (16, 144), dtype=torch.uint8), 12, 256, 212),
+        "gguf_pack_": (torch.zeros(16, 148, dtype=torch.uint8), torch.randint(0, 255, (16, 144), dtype=torch.uint8),
+                       12, 256, 212),
     }
     for name, args in cases.items():
         results = torch.library.opcheck(getattr(torch.ops.specserve, name).default, args)

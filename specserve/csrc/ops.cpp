@@ -6,7 +6,8 @@
 //   gguf_dequantize(blocks, type, cols)          a tensor's rows as float32
 //   gguf_embedding(ids, blocks, type, cols)      the rows `ids` as float32 (an embedding lookup)
 //   gguf_round_activations(x, block)             x as the integer kernels see it (tests)
-//   gguf_pack(blocks, type, cols, packed_type)   Q4_K rows repacked 8 or 16 at a time (gguf_packed.h)
+//   gguf_pack(blocks, type, cols, packed_type)   Q4_K rows repacked 8 or 16 at a time, Q6_K 16 (gguf_packed.h)
+//   gguf_pack_(out!, blocks, type, cols, packed_type)   the same into rows of `out`
 //   cpu_isas()                                   the kernel variants this CPU can run (bit i: ISAS[i])
 // (kernel_ops.cpp adds the layer's other kernels and the native layer loop.)
 #include <ATen/Parallel.h>
@@ -235,23 +236,38 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t cols)
     return out;
 }
 
-at::Tensor gguf_pack(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t packed_type) {
-    check_blocks(blocks, type, cols, "gguf_pack");
-    TORCH_CHECK(packs((int)packed_type, (int)type), "gguf_pack: ggml type ", type, " has no packed layout ",
-                packed_type, " (Q4_K has 112: eight rows, and 212: sixteen; Q6_K 214: sixteen)");
+// The packed rows of `blocks` into `out` ([rows, packed bytes per row], contiguous).
+void pack_into(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t packed_type, const at::Tensor& out,
+               const char* what) {
+    check_blocks(blocks, type, cols, what);
+    TORCH_CHECK(packs((int)packed_type, (int)type), what, ": ggml type ", type, " has no packed layout ", packed_type,
+                " (Q4_K has 112: eight rows, and 212: sixteen; Q6_K 214: sixteen)");
     const int R = pack_rows((int)packed_type);
     const int64_t N = blocks.size(0), rb = blocks.size(1), nb = cols / kQK;
-    TORCH_CHECK(N % R == 0, "gguf_pack: ", N, " rows are not whole groups of ", R);
+    TORCH_CHECK(N % R == 0, what, ": ", N, " rows are not whole groups of ", R);
     TypeInfo info;
     type_info((int)packed_type, &info);
-    at::Tensor out = at::empty({N, nb * info.block_bytes}, blocks.options());
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.dim() == 2 && out.is_contiguous() &&
+                    out.size(0) == N && out.size(1) == nb * info.block_bytes,
+                what, ": out must be a contiguous uint8 [", N, ", ", nb * info.block_bytes, "], got ", out.sizes());
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     const int64_t group_bytes = R * nb * info.block_bytes;
     at::parallel_for(0, N / R, 16, [&](int64_t g0, int64_t g1) {
         for (int64_t g = g0; g < g1; g++) pack_group((int)packed_type, src + g * R * rb, rb, nb, dst + g * group_bytes);
     });
+}
+
+at::Tensor gguf_pack(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t packed_type) {
+    TypeInfo info;
+    TORCH_CHECK(type_info((int)packed_type, &info), "gguf_pack: packed type ", packed_type, " is not supported");
+    at::Tensor out = at::empty({blocks.size(0), cols / kQK * info.block_bytes}, blocks.options());
+    pack_into(blocks, type, cols, packed_type, out, "gguf_pack");
     return out;
+}
+
+void gguf_pack_(const at::Tensor& out, const at::Tensor& blocks, int64_t type, int64_t cols, int64_t packed_type) {
+    pack_into(blocks, type, cols, packed_type, out, "gguf_pack_");
 }
 
 at::Tensor gguf_embedding(const at::Tensor& ids_in, const at::Tensor& blocks, int64_t type, int64_t cols) {
@@ -312,6 +328,7 @@ TORCH_LIBRARY(specserve, m) {
     m.def("gguf_embedding(Tensor ids, Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_round_activations(Tensor x, int block) -> Tensor");
     m.def("gguf_pack(Tensor blocks, int type, int cols, int packed_type) -> Tensor");
+    m.def("gguf_pack_(Tensor(a!) out, Tensor blocks, int type, int cols, int packed_type) -> ()");
     m.def("cpu_isas() -> int", &specserve::cpu_isas);
 }
 
@@ -321,4 +338,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("gguf_embedding", &specserve::gguf_embedding);
     m.impl("gguf_round_activations", &specserve::gguf_round_activations);
     m.impl("gguf_pack", &specserve::gguf_pack);
+    m.impl("gguf_pack_", &specserve::gguf_pack_);
 }

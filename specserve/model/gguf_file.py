@@ -204,14 +204,16 @@ class GGUFFile:
         view = self._array[t.offset:t.offset + t.nbytes].reshape(t.rows, row_bytes)
         return torch.from_numpy(view)
 
-    def release(self, name: str) -> None:
-        """Drop this process's copies of a tensor's pages (the whole pages inside it), once what was
-        made from them no longer reads them: they leave the resident size, and a later read of the
-        tensor pages them in again from the file."""
+    def release(self, name: str, row0: int = 0, row1: int | None = None) -> None:
+        """Drop this process's copies of a tensor's pages (the whole pages inside its rows
+        [row0, row1), all by default), once what was made from them no longer reads them: they leave
+        the resident size, and a later read of the tensor pages them in again from the file."""
         t = self.tensor(name)
+        row_bytes = t.nbytes // t.rows
+        row1 = t.rows if row1 is None else row1
         page = mmap.PAGESIZE
-        start = -(-t.offset // page) * page
-        end = (t.offset + t.nbytes) // page * page
+        start = -(-(t.offset + row0 * row_bytes) // page) * page
+        end = (t.offset + row1 * row_bytes) // page * page
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 

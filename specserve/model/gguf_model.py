@@ -173,7 +173,14 @@ def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: 
         parts, types = zip(*(blocks(t) for t in tensors))
         what = "gguf:" + "+".join(g.tensor(t).type_name for t in tensors)
         shape = (sum(p.shape[0] for p in parts), g.tensor(tensors[0]).cols)
-        kernel_name, kernel = choose(what, shape, torch.float32, gguf_candidates(list(parts), list(types), bias))
+        views = {i for i, (t, part) in enumerate(zip(tensors, parts)) if part.data_ptr() == g.data(t).data_ptr()}
+
+        def packed(i: int, row0: int, row1: int) -> None:  # rows copied into a packed layout are not read
+            if i in views:  # again: their pages go as the copy is made (not the whole tensor twice at once)
+                g.release(tensors[i], row0, row1)
+
+        candidates = gguf_candidates(list(parts), list(types), bias, packed)
+        kernel_name, kernel = choose(what, shape, torch.float32, candidates)
         for t, used in zip(tensors, kernel.parts):
             if used.data_ptr() != g.data(t).data_ptr():  # a packed or reordered copy: the file's pages are not read again
                 g.release(t)

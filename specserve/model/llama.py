@@ -81,11 +81,18 @@ class RotaryEmbedding(nn.Module):
             inv_freq = rope_inv_freq(head_dim, theta, RopeScaling()) / freq_factors.float()
         else:
             inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # both halves of a row take the same angles; filled in place (at 32k positions the
+        # intermediate tables were 40 MB more at load, for a 32 MB result)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        half = freqs.shape[-1]
+        cos, sin = freqs.new_empty(max_positions, 2 * half), freqs.new_empty(max_positions, 2 * half)
+        torch.cos(freqs, out=cos[:, :half])
+        torch.sin(freqs, out=sin[:, :half])
+        del freqs
+        cos[:, half:] = cos[:, :half]
+        sin[:, half:] = sin[:, :half]
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows [T, D] for these positions, looked up once per forward."""

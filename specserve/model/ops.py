@@ -96,6 +96,10 @@ def _register_fakes() -> None:
     def _(blocks, type, cols, packed_type):  # type: ignore[no-untyped-def]
         return blocks.new_empty(blocks.shape[0], cols // 256 * PACKED_BY_ID[packed_type].bytes_per_256)
 
+    @torch.library.register_fake("specserve::gguf_pack_")
+    def _(out, blocks, type, cols, packed_type):  # type: ignore[no-untyped-def]
+        return None
+
     @torch.library.register_fake("specserve::gguf_round_activations")
     def _(x, block):  # type: ignore[no-untyped-def]
         return torch.empty_like(x)

@@ -343,33 +343,47 @@ def packable(part: torch.Tensor, type_id: int, layout: PackedLayout) -> bool:
     return packed is not None and part.shape[0] % packed.rows == 0
 
 
-def pack_gguf_parts(parts: list[torch.Tensor], types: list[int],
-                    layout: PackedLayout) -> tuple[list[torch.Tensor], list[int]]:
+# Rows a part is packed in at a time: with `done`, the source's pages can be dropped slice by slice,
+# so loading never holds a whole large tensor twice (the 1.5B model's 191 MB head).
+PACK_SLICE_BYTES = 16 << 20
+
+
+def pack_gguf_parts(parts: list[torch.Tensor], types: list[int], layout: PackedLayout,
+                    done: Callable[[int, int, int], None] | None = None) -> tuple[list[torch.Tensor], list[int]]:
     """The parts `layout` can hold repacked into it (new memory; the same numbers, losslessly), the
-    others as they are."""
+    others as they are. `done(part, row0, row1)` is told as each slice of a part's source rows has
+    been copied (and is not read again)."""
     out_parts, out_types = [], []
-    for p, t in zip(parts, types):
-        if packable(p, t, layout):
-            packed = layout.of(t)
-            assert packed is not None
-            out_parts.append(torch.ops.specserve.gguf_pack(p, t, _gguf_cols(p, t), packed.type_id))
-            out_types.append(packed.type_id)
-        else:
+    for i, (p, t) in enumerate(zip(parts, types)):
+        packed = layout.of(t) if packable(p, t, layout) else None
+        if packed is None:
             out_parts.append(p)
             out_types.append(t)
+            continue
+        cols = _gguf_cols(p, t)
+        out = torch.empty(p.shape[0], cols // 256 * packed.bytes_per_256, dtype=torch.uint8)
+        step = max(packed.rows, PACK_SLICE_BYTES // max(p.shape[1], 1) // packed.rows * packed.rows)
+        for r0 in range(0, p.shape[0], step):
+            r1 = min(r0 + step, p.shape[0])
+            torch.ops.specserve.gguf_pack_(out[r0:r1], p[r0:r1], t, cols, packed.type_id)
+            if done is not None:
+                done(i, r0, r1)
+        out_parts.append(out)
+        out_types.append(packed.type_id)
     return out_parts, out_types
 
 
 def _packed_kernel(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None, isa: str,
-                   layout: PackedLayout) -> "GGUFLinearKernel":
-    return GGUFLinearKernel(*pack_gguf_parts(parts, types, layout), bias, isa)
+                   layout: PackedLayout, done: Callable[[int, int, int], None] | None) -> "GGUFLinearKernel":
+    return GGUFLinearKernel(*pack_gguf_parts(parts, types, layout, done), bias, isa)
 
 
-def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None) -> dict[str, KernelFactory]:
+def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Tensor | None,
+                    packed: Callable[[int, int, int], None] | None = None) -> dict[str, KernelFactory]:
     """The compiled variants this CPU runs for these GGUF tensors, by name: "gguf-<isa>" over the
     file's blocks and, where the variant reads a packed layout and a part can be packed into it,
     "gguf-<isa>-<layout>" (Q4_K eight rows at a time for avx2: "x8"; Q4_K and Q6_K sixteen for
-    avx512vnni: "x16")."""
+    avx512vnni: "x16"). `packed` is pack_gguf_parts's `done`."""
     from specserve.model import ops
 
     out: dict[str, KernelFactory] = {}
@@ -377,7 +391,7 @@ def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Ten
         out[f"gguf-{isa}"] = functools.partial(GGUFLinearKernel, parts, types, bias, isa)
         layout = PACKED_LAYOUTS.get(isa)
         if layout is not None and any(packable(p, t, layout) for p, t in zip(parts, types)):
-            out[f"gguf-{isa}-{layout.name}"] = functools.partial(_packed_kernel, parts, types, bias, isa, layout)
+            out[f"gguf-{isa}-{layout.name}"] = functools.partial(_packed_kernel, parts, types, bias, isa, layout, packed)
     return out
 
 
