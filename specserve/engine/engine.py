@@ -10,7 +10,6 @@ thread use it; its attributes (scheduler, blocks, runner, speculator, ...) are t
 
 from __future__ import annotations
 
-import gc
 import itertools
 from typing import Any
 
@@ -42,12 +41,6 @@ class LLMEngine:
         self.core = EngineCore(config, model, tokenizer, spec, draft_builder)
         self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()
-        # What exists now (the model's modules, the tokenizer's vocabulary: 212k objects with the
-        # 1.5B model's 151k-token tokenizer) lives as long as the engine, and each full collection
-        # of Python's cyclic collector traversed all of it: a 77 ms pause in whatever step it fell
-        # in. Frozen, a full collection sees only what came after (measured: 0.0 ms).
-        gc.collect()
-        gc.freeze()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

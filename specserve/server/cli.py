@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import logging
 import os
@@ -111,6 +112,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from specserve.server.engine_loop import build_on_passing_thread
 
     llm = build_on_passing_thread(lambda: LLM.from_engine_args(engine_args))
+    # What exists now (the model's modules, the tokenizer's vocabulary: 212k objects with the 1.5B
+    # model's 151k-token tokenizer) lives as long as the server, and each full collection of Python's
+    # cyclic collector traversed all of it: a 77 ms pause in whatever step it fell in. Frozen, a
+    # full collection sees only what came after (measured: 0.0 ms). (The server only: a process
+    # that builds and drops engines, as a test suite does, would keep their cycles forever.)
+    gc.collect()
+    gc.freeze()
     limits, backlog = fit_to_fd_limit(limits)  # after the model: its files and threads hold descriptors too
     guard = ConnectionGuard(limits)
     app = create_app(llm, options, guard)
