@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -117,18 +118,18 @@ READS = [pytest.param(isa, t, id=f"{isa}-{_name(t)}") for isa in ISAS for t in P
 
 
 def _packed(blocks: torch.Tensor, t: ops.PackedType = Q4KX8) -> torch.Tensor:
-    block_bytes = 144 if t.source == Q.Q4_K else 210
-    return torch.ops.specserve.gguf_pack(blocks, t.source, blocks.shape[1] // block_bytes * 256, t.type_id)
+    elems, size = GGML_QUANT_SIZES[Q(t.source)]  # the file's block
+    return torch.ops.specserve.gguf_pack(blocks, t.source, blocks.shape[1] // size * elems, t.type_id)
 
 
 @pytest.mark.parametrize("t", PACKED, ids=_name)
 def test_packing_is_lossless(t: ops.PackedType) -> None:
     """Eight or sixteen rows at a time, every byte kept: the packed tensor dequantizes to the file's
-    values (Q4_K: scales and mins of all 64 values, every quant; Q6_K: every 6-bit quant and scale),
-    in the size the layout promises per row."""
+    values (Q4_K: scales and mins of all 64 values, every quant; Q6_K: every 6-bit quant and scale;
+    Q8_0's quants stored plus 128 and back), in the file's size per row (Q4_K: 4 bytes more per 256)."""
     blocks, ref = _blocks(Q(t.source), 64, 1024, seed=4)
     packed = _packed(blocks, t)
-    assert packed.shape == (64, 4 * t.bytes_per_256)
+    assert packed.shape == (64, t.row_bytes(1024))
     assert torch.equal(torch.ops.specserve.gguf_dequantize(packed, t.type_id, 1024), torch.from_numpy(ref))
 
 
@@ -136,7 +137,8 @@ def test_packing_is_lossless(t: ops.PackedType) -> None:
 def test_every_variant_computes_the_dequantized_product_from_packed_weights(isa: str, t: ops.PackedType) -> None:
     blocks, ref = _blocks(Q(t.source), 48, 768, seed=1)
     x = torch.randn(9, 768) * 3
-    expect = torch.ops.specserve.gguf_round_activations(x, 256).double() @ torch.from_numpy(ref).double().T
+    rounded = torch.ops.specserve.gguf_round_activations(x, 256 if Q(t.source) in SUPER else 32)
+    expect = rounded.double() @ torch.from_numpy(ref).double().T
     bias = torch.randn(48)
     y = torch.ops.specserve.gguf_linear(x, [_packed(blocks, t)], [t.type_id], bias, ops.isa_id(isa))
     err = (y.double() - bias.double() - expect).abs().max() / expect.abs().max()
@@ -254,7 +256,8 @@ class _RoundedDense(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int], types: list[int]) -> None:
         super().__init__()
         self.weights = weight.split(rows)
-        self.blocks = [256 if t in ops.PACKED_BY_ID or Q(t) in SUPER else 32 for t in types]
+        self.blocks = [ops.PACKED_BY_ID[t].block_elems if t in ops.PACKED_BY_ID else (256 if Q(t) in SUPER else 32)
+                       for t in types]
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

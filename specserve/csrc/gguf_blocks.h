@@ -14,9 +14,11 @@ enum GgmlType : int {
     kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
 };
 
-// Q4_K repacked eight or sixteen rows at a time, Q6_K sixteen (gguf_packed.h): our ids, 100 (eight
-// rows) or 200 (sixteen) + the ggml type.
-enum PackedType : int { kQ4_Kx8 = 112, kQ4_Kx16 = 212, kQ6_Kx16 = 214 };
+// Q4_K repacked eight or sixteen rows at a time, Q6_K, Q4_0, Q4_1 and Q8_0 sixteen (gguf_packed.h):
+// our ids, 100 (eight rows) or 200 (sixteen) + the ggml type.
+enum PackedType : int {
+    kQ4_Kx8 = 112, kQ4_Kx16 = 212, kQ6_Kx16 = 214, kQ4_0x16 = 202, kQ4_1x16 = 203, kQ8_0x16 = 208,
+};
 
 constexpr int kQK = 256;  // elements of a k-quant super-block
 constexpr int kQ32 = 32;  // elements of a legacy (Q4_0, Q4_1, Q8_0) block
@@ -40,18 +42,26 @@ static inline bool type_info(int type, TypeInfo* out) {
         case kQ4_Kx8: *out = {256, 148}; return true;  // per row: a group of 8 rows is 8x this
         case kQ4_Kx16: *out = {256, 148}; return true;  // a group of 16 rows is 16x this
         case kQ6_Kx16: *out = {256, 210}; return true;
+        case kQ4_0x16: *out = {32, 18}; return true;
+        case kQ4_1x16: *out = {32, 20}; return true;
+        case kQ8_0x16: *out = {32, 34}; return true;
         default: return false;
     }
 }
 
-static inline bool is_packed(int type) { return type == kQ4_Kx8 || type == kQ4_Kx16 || type == kQ6_Kx16; }
+static inline bool is_packed(int type) {
+    return type == kQ4_Kx8 || type == kQ4_Kx16 || type == kQ6_Kx16 || type == kQ4_0x16 || type == kQ4_1x16 ||
+           type == kQ8_0x16;
+}
 // Weight rows per group of a packed type (1 for the file's own types).
 static inline int pack_rows(int type) { return type == kQ4_Kx8 ? 8 : (is_packed(type) ? 16 : 1); }
-// Types multiplied with ActQ8K activations (the packed ones included).
-static inline bool is_k_quant(int type) {
-    return type == kQ4_K || type == kQ5_K || type == kQ6_K || is_packed(type);
+// Types multiplied with ActQ8K activations (the packed ones included), and with ActQ8B.
+static inline bool is_legacy_quant(int type) {
+    return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_0x16 || type == kQ4_1x16 || type == kQ8_0x16;
 }
-static inline bool is_legacy_quant(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+static inline bool is_k_quant(int type) {
+    return type == kQ4_K || type == kQ5_K || type == kQ6_K || (is_packed(type) && !is_legacy_quant(type));
+}
 
 // IEEE half -> float, bit-exact (no F16C needed: used on load paths and by the scalar kernels).
 static inline float fp16_to_fp32(uint16_t h) {
@@ -116,6 +126,7 @@ struct ActQ8B {
     float d;
     float s;  // d * sum(qs)
     int8_t qs[kQ32];
+    int32_t qsum;  // sum(qs) (the packed kernels' offsets: Q4_0's 8, Q8_0's 128)
 };
 
 // Quantize `n` (a multiple of the block) floats into blocks.

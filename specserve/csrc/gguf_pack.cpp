@@ -1,4 +1,5 @@
-// Repacking Q4_K rows eight or sixteen at a time, and Q6_K sixteen (layouts in gguf_packed.h), and back.
+// Repacking Q4_K rows eight or sixteen at a time, and Q6_K, Q4_0, Q4_1, Q8_0 sixteen (layouts in
+// gguf_packed.h), and back.
 #include <cstring>
 
 #include "gguf_packed.h"
@@ -140,16 +141,56 @@ void unpack_q6k(const uint8_t* src, int64_t nb, uint8_t* dst, int64_t rb) {
     }
 }
 
+// The 32-element types, sixteen rows: each block's scales (f16 d[r], then Q4_1's m[r]), then its
+// quants in runs of four bytes per row: run t holds bytes 4t..4t+3 of every row's quants. Q8_0's
+// signed quants are stored plus 128 (as unsigned bytes: q ^ 0x80).
+struct LegacyLayout {
+    int type;  // the file's type
+    int head() const { return type == kQ4_1 ? 4 : 2; }  // the file block's scale bytes
+    int qbytes() const { return type == kQ8_0 ? 32 : 16; }
+    int block() const { return head() + qbytes(); }
+};
+
+void pack_legacy(const LegacyLayout L, const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {
+    constexpr int R = 16;
+    const uint8_t flip = L.type == kQ8_0 ? 0x80 : 0;
+    for (int64_t b = 0; b < nb; b++, dst += R * L.block()) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t* blk = src + r * rb + b * L.block();
+            std::memcpy(dst + 2 * r, blk, 2);
+            if (L.type == kQ4_1) std::memcpy(dst + 2 * R + 2 * r, blk + 2, 2);
+            for (int t = 0; t < L.qbytes() / 4; t++)
+                for (int i = 0; i < 4; i++) dst[R * L.head() + 4 * R * t + 4 * r + i] = blk[L.head() + 4 * t + i] ^ flip;
+        }
+    }
+}
+
+void unpack_legacy(const LegacyLayout L, const uint8_t* src, int64_t nb, uint8_t* dst, int64_t rb) {
+    constexpr int R = 16;
+    const uint8_t flip = L.type == kQ8_0 ? 0x80 : 0;
+    for (int64_t b = 0; b < nb; b++, src += R * L.block()) {
+        for (int r = 0; r < R; r++) {
+            uint8_t* blk = dst + r * rb + b * L.block();
+            std::memcpy(blk, src + 2 * r, 2);
+            if (L.type == kQ4_1) std::memcpy(blk + 2, src + 2 * R + 2 * r, 2);
+            for (int t = 0; t < L.qbytes() / 4; t++)
+                for (int i = 0; i < 4; i++) blk[L.head() + 4 * t + i] = src[R * L.head() + 4 * R * t + 4 * r + i] ^ flip;
+        }
+    }
+}
+
 }  // namespace
 
 void pack_group(int packed_type, const uint8_t* src, int64_t src_row_bytes, int64_t nb, uint8_t* dst) {
     if (packed_type == kQ6_Kx16) pack_q6k(src, src_row_bytes, nb, dst);
-    else if (is_packed(packed_type)) pack_q4k(Q4KLayout{pack_rows(packed_type)}, src, src_row_bytes, nb, dst);
+    else if (packed_type == kQ4_Kx8 || packed_type == kQ4_Kx16) pack_q4k(Q4KLayout{pack_rows(packed_type)}, src, src_row_bytes, nb, dst);
+    else if (is_packed(packed_type)) pack_legacy(LegacyLayout{unpacked_type_of(packed_type)}, src, src_row_bytes, nb, dst);
 }
 
 void unpack_group(int packed_type, const uint8_t* src, int64_t nb, uint8_t* dst, int64_t dst_row_bytes) {
     if (packed_type == kQ6_Kx16) unpack_q6k(src, nb, dst, dst_row_bytes);
-    else if (is_packed(packed_type)) unpack_q4k(Q4KLayout{pack_rows(packed_type)}, src, nb, dst, dst_row_bytes);
+    else if (packed_type == kQ4_Kx8 || packed_type == kQ4_Kx16) unpack_q4k(Q4KLayout{pack_rows(packed_type)}, src, nb, dst, dst_row_bytes);
+    else if (is_packed(packed_type)) unpack_legacy(LegacyLayout{unpacked_type_of(packed_type)}, src, nb, dst, dst_row_bytes);
 }
 
 }  // namespace specserve

@@ -32,6 +32,11 @@
 //       +0        a[r][i]           low nibble: low four bits of quant 4v + i; high nibble: of 4(v + 32) + i
 //       +4R       b[r][i]           the same for quants 4(v + 16) + i and 4(v + 48) + i
 //       +8R       h[r][i]           bits 2k, 2k + 1: the top two bits of quant 4(v + 16k) + i (k = 0..3)
+// Q4_0, Q4_1, Q8_0 (blocks of 32), R = 16, the file's block bytes times R:
+//     0         d[r]                f16
+//     2R        m[r]                f16 (Q4_1 only)
+//     then      qs[t][r][i]         the file's quant byte 4t + i of row r (t = 0..3, or 0..7 for Q8_0,
+//                                   whose signed quants are stored plus 128: q ^ 0x80)
 #pragma once
 
 #include <cstdint>
@@ -39,12 +44,6 @@
 #include "gguf_blocks.h"
 
 namespace specserve {
-
-// Bytes of one packed super-block of a whole group (every row's 256 weights).
-static inline int packed_group_block_bytes(int packed_type) {
-    TypeInfo info;
-    return type_info(packed_type, &info) ? info.block_bytes * pack_rows(packed_type) : 0;
-}
 
 // The file's type a packed type holds (the type itself where it is not packed).
 static inline int unpacked_type_of(int type) { return is_packed(type) ? type % 100 : type; }

@@ -48,7 +48,7 @@ bool isa_runs(int64_t isa) {
 // reads every packed layout by unpacking it.
 bool variant_reads(int64_t isa, int type) {
     if (!is_packed(type) || isa == kGeneric) return true;
-    return type == kQ4_Kx8 ? (isa == kAvx2 || isa == kAvx512Vnni) : isa == kAvx512Vnni;  // x16 layouts: AVX-512
+    return type == kQ4_Kx8 ? (isa == kAvx2 || isa == kAvx512Vnni) : isa == kAvx512Vnni;  // sixteen rows: AVX-512
 }
 
 namespace {
@@ -219,7 +219,7 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t cols)
         const int file_type = unpacked_type_of((int)type), R = pack_rows((int)type);
         TypeInfo info;
         type_info(file_type, &info);
-        const int64_t nb = cols / kQK, file_rb = nb * info.block_bytes;
+        const int64_t nb = cols / info.block_elems, file_rb = nb * info.block_bytes;
         at::parallel_for(0, N / R, 8, [&](int64_t g0, int64_t g1) {
             std::vector<uint8_t> rows((size_t)(R * file_rb));
             for (int64_t g = g0; g < g1; g++) {
@@ -241,12 +241,12 @@ void pack_into(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t pac
                const char* what) {
     check_blocks(blocks, type, cols, what);
     TORCH_CHECK(packs((int)packed_type, (int)type), what, ": ggml type ", type, " has no packed layout ", packed_type,
-                " (Q4_K has 112: eight rows, and 212: sixteen; Q6_K 214: sixteen)");
+                " (Q4_K has 112: eight rows, and 212: sixteen; Q6_K 214, Q4_0 202, Q4_1 203, Q8_0 208: sixteen)");
     const int R = pack_rows((int)packed_type);
-    const int64_t N = blocks.size(0), rb = blocks.size(1), nb = cols / kQK;
-    TORCH_CHECK(N % R == 0, what, ": ", N, " rows are not whole groups of ", R);
     TypeInfo info;
     type_info((int)packed_type, &info);
+    const int64_t N = blocks.size(0), rb = blocks.size(1), nb = cols / info.block_elems;
+    TORCH_CHECK(N % R == 0, what, ": ", N, " rows are not whole groups of ", R);
     TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.dim() == 2 && out.is_contiguous() &&
                     out.size(0) == N && out.size(1) == nb * info.block_bytes,
                 what, ": out must be a contiguous uint8 [", N, ", ", nb * info.block_bytes, "], got ", out.sizes());
@@ -261,7 +261,7 @@ void pack_into(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t pac
 at::Tensor gguf_pack(const at::Tensor& blocks, int64_t type, int64_t cols, int64_t packed_type) {
     TypeInfo info;
     TORCH_CHECK(type_info((int)packed_type, &info), "gguf_pack: packed type ", packed_type, " is not supported");
-    at::Tensor out = at::empty({blocks.size(0), cols / kQK * info.block_bytes}, blocks.options());
+    at::Tensor out = at::empty({blocks.size(0), cols / info.block_elems * info.block_bytes}, blocks.options());
     pack_into(blocks, type, cols, packed_type, out, "gguf_pack");
     return out;
 }

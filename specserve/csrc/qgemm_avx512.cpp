@@ -14,7 +14,11 @@
 // quants' offset of 32 is one more vpdpwssd of the activations' sums per 16 against -32 times the
 // scales.
 //
-// The other types run the AVX2 kernels (avx2::gemm): this variant adds nothing to them.
+// Q4_0, Q4_1 and Q8_0 packed sixteen rows at a time: the same vpdpbusd over 32-element blocks (Q8_0's
+// signed quants stored plus 128, so unsigned; the offsets come from the activation's sum).
+//
+// The other types (the 32-element ones in the file's layout, Q4_K eight rows at a time, Q5_K) run
+// the AVX2 kernels (avx2::gemm): this variant adds nothing to them.
 // Every activation row has its own accumulators and visits the blocks in the same order whatever
 // M or the tile: a row's result is bit for bit the same alone or in any batch.
 #include <immintrin.h>
@@ -182,24 +186,80 @@ inline void dot_q6kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512
     else dot_q6kx16_by_sub_block<R>(g, x, stride, acc);
 }
 
-// ---- both packed types: groups of sixteen weight rows against every activation row ---------------
+// ---- Q4_0, Q4_1, Q8_0 packed sixteen rows at a time (blocks of 32) -------------------------------
 
+// One block of 32 times R activation blocks; acc[r] lane j += row j's share. Q4_0's quants are the
+// weight plus 8 and Q8_0's (as packed) plus 128: the sums start at -8 or -128 times the activation's
+// sum. Q4_1 adds its min times the activation block's sum (x.s = d * sum).
+template <int FileType, int R>
+inline void dot_legacy16(const uint8_t* g, const ActQ8B* x, int64_t stride, __m512* acc) {
+    constexpr int kHead = FileType == kQ4_1 ? 4 : 2;
+    const uint8_t* qs = g + kX16 * kHead;
+    __m512i p[R];
+    for (int r = 0; r < R; r++)
+        p[r] = FileType == kQ4_1 ? _mm512_setzero_si512()
+                                 : _mm512_set1_epi32((FileType == kQ8_0 ? -128 : -8) * x[r * stride].qsum);
+    if constexpr (FileType == kQ8_0) {
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m512i w = _mm512_loadu_si512((const void*)(qs + 64 * t));
+            for (int r = 0; r < R; r++) p[r] = dpbusd_bcast(p[r], w, x[r * stride].qs + 4 * t);
+        }
+    } else {
+        const __m512i m4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {  // low nibbles: quants 4t..4t+3; high: 16 + 4t..
+            const __m512i w = _mm512_loadu_si512((const void*)(qs + 64 * t));
+            const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+            for (int r = 0; r < R; r++) p[r] = dpbusd_bcast(p[r], lo, x[r * stride].qs + 4 * t);
+            for (int r = 0; r < R; r++) p[r] = dpbusd_bcast(p[r], hi, x[r * stride].qs + 16 + 4 * t);
+        }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)g));
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r * stride].d)), acc[r]);
+    if constexpr (FileType == kQ4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(g + 2 * kX16)));
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r * stride].s), acc[r]);
+    }
+}
+
+// ---- every packed type: groups of sixteen weight rows against every activation row ----------------
+
+// What the group loop needs of a packed type: its activations, block bytes and size, the rows of a
+// pass, the float sums a row keeps across blocks (two for the 32-element blocks, even and odd, whose
+// adds would otherwise wait on each other), and the block kernel.
 template <int Type>
 struct Packed16;
 template <>
 struct Packed16<kQ4_Kx16> {
-    static constexpr int kBytes = kX16Bytes;
+    using Act = ActQ8K;
+    static constexpr int kElems = kQK, kBytes = kX16Bytes, kChains = 1;
     static constexpr int kRows = 4;  // activation rows per pass (8 spill registers: slower, measured)
     template <int R>
-    static void dot(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) { dot_q4kx16<R>(g, x, stride, acc); }
+    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc) { dot_q4kx16<R>(g, x, stride, acc); }
 };
 template <>
 struct Packed16<kQ6_Kx16> {
-    static constexpr int kBytes = kQ6x16Bytes;
-    static constexpr int kRows = 8;
+    using Act = ActQ8K;
+    static constexpr int kElems = kQK, kBytes = kQ6x16Bytes, kChains = 1, kRows = 8;
     template <int R>
-    static void dot(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) { dot_q6kx16<R>(g, x, stride, acc); }
+    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc) { dot_q6kx16<R>(g, x, stride, acc); }
 };
+template <int FileType>
+struct Legacy16 {
+    using Act = ActQ8B;
+    static constexpr int kElems = kQ32, kChains = 2, kRows = 4;
+    static constexpr int kBytes = kX16 * (FileType == kQ8_0 ? 34 : (FileType == kQ4_1 ? 20 : 18));
+    template <int R>
+    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc) { dot_legacy16<FileType, R>(g, x, stride, acc); }
+};
+template <>
+struct Packed16<kQ4_0x16> : Legacy16<kQ4_0> {};
+template <>
+struct Packed16<kQ4_1x16> : Legacy16<kQ4_1> {};
+template <>
+struct Packed16<kQ8_0x16> : Legacy16<kQ8_0> {};
 
 // A group against R activation rows. Where a tile has more than two rows, the next group's blocks
 // (`ahead`) are asked of L2 as these are read: the work per byte is then long enough that the
@@ -207,22 +267,25 @@ struct Packed16<kQ6_Kx16> {
 // the cache (measured, 2-core Zen 4: 4 rows of a K = 8960 Q4_K projection 10.3 -> 6.6 ms, 16 rows of
 // Q6_K 10% faster; one and two rows slower with it, so not there).
 template <int Type, int R>
-inline void group16(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m512* out, const uint8_t* ahead) {
-    constexpr int kBytes = Packed16<Type>::kBytes;
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+inline void group16(const uint8_t* g, const typename Packed16<Type>::Act* x, int64_t stride, int64_t nb, __m512* out,
+                    const uint8_t* ahead) {
+    using P = Packed16<Type>;
+    __m512 acc[P::kChains][R];
+    for (int c = 0; c < P::kChains; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = g + b * kBytes;
-        for (int l = 0; l < kBytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+        const uint8_t* blk = g + b * P::kBytes;
+        for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
         if (ahead)
-            for (int l = 0; l < kBytes; l += 64) _mm_prefetch((const char*)(ahead + b * kBytes + l), _MM_HINT_T1);
-        Packed16<Type>::template dot<R>(blk, x + b, stride, acc);
+            for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(ahead + b * P::kBytes + l), _MM_HINT_T1);
+        P::template dot<R>(blk, x + b, stride, acc[b % P::kChains]);
     }
-    for (int r = 0; r < R; r++) out[r] = acc[r];
+    for (int r = 0; r < R; r++) out[r] = P::kChains == 2 ? _mm512_add_ps(acc[0][r], acc[1][r]) : acc[0][r];
 }
 
 template <int Type, int R>
-inline void group16_rows(int rows, const uint8_t* g, const ActQ8K* x, int64_t nb, __m512* out, const uint8_t* ahead) {
+inline void group16_rows(int rows, const uint8_t* g, const typename Packed16<Type>::Act* x, int64_t nb, __m512* out,
+                         const uint8_t* ahead) {
     if constexpr (R > 1) {
         if (rows < R) return group16_rows<Type, R - 1>(rows, g, x, nb, out, ahead);
     }
@@ -231,14 +294,15 @@ inline void group16_rows(int rows, const uint8_t* g, const ActQ8K* x, int64_t nb
 
 template <int Type>
 void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
-    constexpr int kRows = Packed16<Type>::kRows;
-    const int64_t nb = t.K / kQK;
+    using P = Packed16<Type>;
+    constexpr int kRows = P::kRows;
+    const int64_t nb = t.K / P::kElems;
     const int tile = tile_rows(t.K);
-    const ActQ8K* xq = (const ActQ8K*)t.xq;
+    const typename P::Act* xq = (const typename P::Act*)t.xq;
     __m512 out[kRows];
     for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
         const int mt = (int)min64(tile, t.M - m0);
-        const ActQ8K* x = xq + m0 * nb;
+        const typename P::Act* x = xq + m0 * nb;
         for (int64_t n = n0; n < n1; n += kX16) {
             const uint8_t* g = t.w + n * t.row_bytes;
             const __m512 bias = t.bias ? _mm512_loadu_ps(t.bias + n) : _mm512_setzero_ps();
@@ -343,6 +407,9 @@ void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
     switch (t.type) {
         case kQ4_Kx16: return gemm_packed16<kQ4_Kx16>(t, n0, n1);
         case kQ6_Kx16: return gemm_packed16<kQ6_Kx16>(t, n0, n1);
+        case kQ4_0x16: return gemm_packed16<kQ4_0x16>(t, n0, n1);
+        case kQ4_1x16: return gemm_packed16<kQ4_1x16>(t, n0, n1);
+        case kQ8_0x16: return gemm_packed16<kQ8_0x16>(t, n0, n1);
         case kQ6_K: return gemm_q6k(t, n0, n1);
         default: return avx2::gemm(t, n0, n1);
     }

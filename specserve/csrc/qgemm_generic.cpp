@@ -79,6 +79,7 @@ void quantize_q8b(const float* x, int64_t n, ActQ8B* out) {
         int s = 0;
         for (int j = 0; j < kQ32; j++) s += o.qs[j];
         o.s = o.d * (float)s;
+        o.qsum = s;
     }
 }
 

@@ -31,7 +31,11 @@ class PackedType:
     type_id: int  # the packed type's id (ops.cpp)
     source: int  # the ggml type it holds
     rows: int
-    bytes_per_256: int  # per row, per 256 weights
+    block_elems: int  # a block's weights (per row): 256 for the k-quants, 32 for Q4_0, Q4_1, Q8_0
+    block_bytes: int  # a block's bytes per row, as in the file
+
+    def row_bytes(self, cols: int) -> int:
+        return cols // self.block_elems * self.block_bytes
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,12 @@ class PackedLayout:
 
 
 # The packed layout each vectorised variant reads: Q4_K eight rows to a 32-byte vector (AVX2);
-# Q4_K and Q6_K sixteen rows to a 64-byte vector (AVX-512 VNNI).
+# Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 sixteen rows to a 64-byte vector (AVX-512 VNNI).
 PACKED_LAYOUTS = {
-    "avx2": PackedLayout("x8", (PackedType(112, 12, 8, 148),)),
-    "avx512vnni": PackedLayout("x16", (PackedType(212, 12, 16, 148), PackedType(214, 14, 16, 210))),
+    "avx2": PackedLayout("x8", (PackedType(112, 12, 8, 256, 148),)),
+    "avx512vnni": PackedLayout("x16", (PackedType(212, 12, 16, 256, 148), PackedType(214, 14, 16, 256, 210),
+                                       PackedType(202, 2, 16, 32, 18), PackedType(203, 3, 16, 32, 20),
+                                       PackedType(208, 8, 16, 32, 34))),
 }
 PACKED_BY_ID = {t.type_id: t for layout in PACKED_LAYOUTS.values() for t in layout.types}
 
@@ -94,7 +100,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("specserve::gguf_pack")
     def _(blocks, type, cols, packed_type):  # type: ignore[no-untyped-def]
-        return blocks.new_empty(blocks.shape[0], cols // 256 * PACKED_BY_ID[packed_type].bytes_per_256)
+        return blocks.new_empty(blocks.shape[0], PACKED_BY_ID[packed_type].row_bytes(cols))
 
     @torch.library.register_fake("specserve::gguf_pack_")
     def _(out, blocks, type, cols, packed_type):  # type: ignore[no-untyped-def]

@@ -332,7 +332,7 @@ class GGUFLinearKernel(nn.Module):
 def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
     from specserve.model.gguf_file import GGML_TYPES
     if type_id in PACKED_BY_ID:
-        elems, size = 256, PACKED_BY_ID[type_id].bytes_per_256
+        elems, size = PACKED_BY_ID[type_id].block_elems, PACKED_BY_ID[type_id].block_bytes
     else:
         elems, size = GGML_TYPES[type_id][1:]
     return blocks.shape[1] // size * elems
@@ -361,7 +361,7 @@ def pack_gguf_parts(parts: list[torch.Tensor], types: list[int], layout: PackedL
             out_types.append(t)
             continue
         cols = _gguf_cols(p, t)
-        out = torch.empty(p.shape[0], cols // 256 * packed.bytes_per_256, dtype=torch.uint8)
+        out = torch.empty(p.shape[0], packed.row_bytes(cols), dtype=torch.uint8)
         step = max(packed.rows, PACK_SLICE_BYTES // max(p.shape[1], 1) // packed.rows * packed.rows)
         for r0 in range(0, p.shape[0], step):
             r1 = min(r0 + step, p.shape[0])
@@ -382,8 +382,8 @@ def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Ten
                     packed: Callable[[int, int, int], None] | None = None) -> dict[str, KernelFactory]:
     """The compiled variants this CPU runs for these GGUF tensors, by name: "gguf-<isa>" over the
     file's blocks and, where the variant reads a packed layout and a part can be packed into it,
-    "gguf-<isa>-<layout>" (Q4_K eight rows at a time for avx2: "x8"; Q4_K and Q6_K sixteen for
-    avx512vnni: "x16"). `packed` is pack_gguf_parts's `done`."""
+    "gguf-<isa>-<layout>" (Q4_K eight rows at a time for avx2: "x8"; Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0
+    sixteen for avx512vnni: "x16"). `packed` is pack_gguf_parts's `done`."""
     from specserve.model import ops
 
     out: dict[str, KernelFactory] = {}
