@@ -9,8 +9,8 @@ would fetch a PyTorch of its own: for a CPU machine, a multi-GB CUDA build):
 
 Each instruction-set variant of the kernels (qgemm_<isa>.cpp for the GGUF products, cpu_kernels_<isa>.c
 for the rest: attention, the layer's small operations, float32/int8/int4 products, the layer loop) is
-compiled with its own flags (qgemm_avx512.cpp: AVX-512 with VNNI, for the products that gain from it;
-the rest of that variant runs the AVX2 code); the library runs the variants the CPU supports, and which of those runs a
+compiled with its own flags (the AVX-512 variant: AVX2's flags plus AVX-512 F/BW/VL/DQ and VNNI);
+the library runs the variants the CPU supports, and which of those runs a
 projection is chosen by measurement (specserve.model.tuning). Never -march=native: the build must
 run on any CPU of its architecture.
 """
@@ -51,7 +51,7 @@ VARIANTS: list[tuple[str, list[str]]] = [(os.path.join(CSRC, "qgemm_generic.cpp"
                                          (os.path.join(CSRC, "cpu_kernels_generic.c"), C)]
 if X86:
     VARIANTS += [(os.path.join(CSRC, "qgemm_avx2.cpp"), CXX + AVX2), (os.path.join(CSRC, "cpu_kernels_avx2.c"), C + AVX2),
-                 (os.path.join(CSRC, "qgemm_avx512.cpp"), CXX + AVX512)]
+                 (os.path.join(CSRC, "qgemm_avx512.cpp"), CXX + AVX512), (os.path.join(CSRC, "cpu_kernels_avx512.c"), C + AVX512 + ["-mprefer-vector-width=256"])]
 DEFINES = [("SPECSERVE_HAVE_AVX2", "1"), ("SPECSERVE_HAVE_AVX512", "1")] if X86 else []
 
 

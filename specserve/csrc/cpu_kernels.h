@@ -65,6 +65,7 @@ typedef struct {
 const specserve_cpu_kernels *specserve_cpu_kernels_generic(void);
 #if defined(__x86_64__) || defined(_M_X64)
 const specserve_cpu_kernels *specserve_cpu_kernels_avx2(void);
+const specserve_cpu_kernels *specserve_cpu_kernels_avx512(void);
 #endif
 
 #ifdef __cplusplus

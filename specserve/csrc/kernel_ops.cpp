@@ -35,9 +35,9 @@ const specserve_cpu_kernels& kernels(int64_t isa, const char* what) {
     switch (isa) {
 #if defined(__x86_64__) && defined(SPECSERVE_HAVE_AVX2)
         case kAvx2: return *specserve_cpu_kernels_avx2();
-        // AVX-512 has kernels of its own for the GGUF products only; the layer's other kernels
-        // (attention, norms, the float/int8/int4 products, the loop) run their AVX2 build there.
-        case kAvx512Vnni: return *specserve_cpu_kernels_avx2();
+#endif
+#if defined(__x86_64__) && defined(SPECSERVE_HAVE_AVX512)
+        case kAvx512Vnni: return *specserve_cpu_kernels_avx512();
 #endif
         default: return *specserve_cpu_kernels_generic();
     }
