@@ -9,16 +9,14 @@
 // sixteen rows' results are the lanes of one float vector.
 //
 // Q6_K packed sixteen rows at a time likewise (vpdpbusd on its 6-bit quants, which are unsigned).
-// Q6_K in the file's layout, 64 quants a vector: vpmaddubsw (6-bit quants times int8, pair sums in
-// int16: at most 2 * 63 * 127) then vpdpwssd (times the sub-block scales, added into int32); the
-// quants' offset of 32 is one more vpdpwssd of the activations' sums per 16 against -32 times the
-// scales.
 //
 // Q4_0, Q4_1 and Q8_0 packed sixteen rows at a time: the same vpdpbusd over 32-element blocks (Q8_0's
 // signed quants stored plus 128, so unsigned; the offsets come from the activation's sum).
 //
-// The other types (the 32-element ones in the file's layout, Q4_K eight rows at a time, Q5_K) run
-// the AVX2 kernels (avx2::gemm): this variant adds nothing to them.
+// The other types (every type in the file's layout, Q4_K eight rows at a time) run the AVX2 kernels
+// (avx2::gemm): this variant adds nothing to them. (A zmm kernel for Q6_K in the file's layout was
+// faster than AVX2's at four rows and more, but a model's Q6_K tensors pack: rows not whole groups
+// of sixteen are rare enough not to carry it.)
 // Every activation row has its own accumulators and visits the blocks in the same order whatever
 // M or the tile: a row's result is bit for bit the same alone or in any batch.
 #include <immintrin.h>
@@ -316,91 +314,6 @@ void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
     }
 }
 
-// ---- Q6_K in the file's layout ------------------------------------------------------------------
-
-// int16 lane l of a scale vector takes scale 4k + l / 8 (sub-blocks of 16: a 64-quant vector holds
-// four), for k = 0..3 (the vector's place in the super-block).
-alignas(64) const int16_t kScaleIdx[4][32] = {
-#define SI(k) {4 * k, 4 * k, 4 * k, 4 * k, 4 * k, 4 * k, 4 * k, 4 * k,                                 \
-                4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, \
-                4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, \
-                4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3}
-    SI(0), SI(1), SI(2), SI(3)
-#undef SI
-};
-
-// Q6_K super-block times R activation blocks: acc[r] += its share, in 16 lanes.
-template <int R>
-inline void dot_q6k(const uint8_t* blk, const ActQ8K* x, int64_t stride, __m512* acc) {
-    const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192))));
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    __m512i sum[R];
-    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++) {
-        // ql: quants 128h + 0..63 in the low nibbles, 128h + 64..127 in the high; qh: their top two
-        // bits, the first 32 quants of each 64 at bits 2i, the second 32 at bits 2i + 2 (i = 0, 2)
-        const __m512i ql = _mm512_loadu_si512((const void*)(blk + 64 * h));
-        const __m256i vh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
-        const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(vh), _mm256_srli_epi16(vh, 2), 1);
-        const __m512i q[2] = {
-            _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(qh, m30)),
-        };
-        for (int k = 0; k < 2; k++) {
-            const int j = 2 * h + k;  // quants 64j .. 64j + 63: sub-blocks 4j .. 4j + 3
-            const __m512i sc = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)kScaleIdx[j]), sc16);
-            for (int r = 0; r < R; r++) {
-                const __m512i xq = _mm512_loadu_si512((const void*)(x[r * stride].qs + 64 * j));
-                sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(q[k], xq), sc);
-            }
-        }
-    }
-    // the offset: -32 * scale[g] * (sum of the activation's 16 quants of sub-block g)
-    const __m512i neg32 = _mm512_mullo_epi16(sc16, _mm512_set1_epi16(-32));
-    const float d = _cvtsh_ss(*(const uint16_t*)(blk + 208));
-    for (int r = 0; r < R; r++) {
-        const ActQ8K& xr = x[r * stride];
-        const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)xr.bsums));
-        const __m512i v = _mm512_dpwssd_epi32(sum[r], bs, neg32);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * xr.d), acc[r]);
-    }
-}
-
-// One Q6_K weight row against R activation rows: each block unpacked once for the R rows.
-template <int R>
-inline void row_q6k(const uint8_t* row, const ActQ8K* x, int64_t stride, int64_t nb, float* out) {
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        for (int l = 0; l < 210; l += 64) _mm_prefetch((const char*)(row + b * 210 + kPrefetch + l), _MM_HINT_T0);
-        dot_q6k<R>(row + b * 210, x + b, stride, acc);
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-void gemm_q6k(const GemmTask& t, int64_t n0, int64_t n1) {
-    const int64_t nb = t.K / kQK;
-    const int tile = tile_rows(t.K);
-    const ActQ8K* xq = (const ActQ8K*)t.xq;
-    float out[kMaxTile];
-    for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
-        const int mt = (int)min64(tile, t.M - m0);
-        const ActQ8K* x = xq + m0 * nb;
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t* row = t.w + n * t.row_bytes;
-            int i = 0;
-            for (; i + 4 <= mt; i += 4) row_q6k<4>(row, x + i * nb, nb, nb, out + i);
-            switch (mt - i) {
-                case 3: row_q6k<3>(row, x + i * nb, nb, nb, out + i); break;
-                case 2: row_q6k<2>(row, x + i * nb, nb, nb, out + i); break;
-                case 1: row_q6k<1>(row, x + i * nb, nb, nb, out + i); break;
-                default: break;
-            }
-            for (int r = 0; r < mt; r++) t.y[(m0 + r) * t.ldy + n] = out[r] + (t.bias ? t.bias[n] : 0.0f);
-        }
-    }
-}
-
 }  // namespace
 
 void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
@@ -410,7 +323,6 @@ void gemm(const GemmTask& t, int64_t n0, int64_t n1) {
         case kQ4_0x16: return gemm_packed16<kQ4_0x16>(t, n0, n1);
         case kQ4_1x16: return gemm_packed16<kQ4_1x16>(t, n0, n1);
         case kQ8_0x16: return gemm_packed16<kQ8_0x16>(t, n0, n1);
-        case kQ6_K: return gemm_q6k(t, n0, n1);
         default: return avx2::gemm(t, n0, n1);
     }
 }
