@@ -11,9 +11,7 @@ to rebuild.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,30 +145,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("specserve::silu_mul")
     def _(gate_up, isa):  # type: ignore[no-untyped-def]
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def back_with_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux to back a large CPU tensor's memory with 2 MB pages where it can (transparent huge
-    pages, in "always" or "madvise" mode; elsewhere nothing happens). Call it before the memory is
-    first written. A streamed weight tensor then costs one TLB entry per 2 MB instead of per 4 KB
-    (measured on a 2-core Zen 4: one row through 191 MB of packed Q4_K 10% faster in a harness of the
-    kernels; a whole 1.5B forward at one row about 3% faster, 690 of its 980 MB of packed copies on
-    huge pages). Only whole 2 MB stretches inside the tensor are asked for."""
-    if t.device.type != "cpu" or sys.platform != "linux" or t.numel() * t.element_size() < 2 * _HUGE_PAGE:
-        return
-    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def runnable_isas() -> tuple[str, ...]:

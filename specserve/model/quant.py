@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.model.ops import PACKED_BY_ID, PACKED_LAYOUTS, PackedLayout, back_with_huge_pages
+from specserve.model.ops import PACKED_BY_ID, PACKED_LAYOUTS, PackedLayout
 
 logger = logging.getLogger("specserve.model")
 
@@ -362,7 +362,6 @@ def pack_gguf_parts(parts: list[torch.Tensor], types: list[int], layout: PackedL
             continue
         cols = _gguf_cols(p, t)
         out = torch.empty(p.shape[0], packed.row_bytes(cols), dtype=torch.uint8)
-        back_with_huge_pages(out)  # before the copy first writes it
         step = max(packed.rows, PACK_SLICE_BYTES // max(p.shape[1], 1) // packed.rows * packed.rows)
         for r0 in range(0, p.shape[0], step):
             r1 = min(r0 + step, p.shape[0])
