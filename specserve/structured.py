@@ -91,7 +91,7 @@ class GrammarCompiler:
     `cache_size` of them, least recently used dropped) and copied for each request that uses it."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 128) -> None:
-        """tokenizer: an llguidance `LLTokenizer` (see `from_hf`); vocab_size: the model's."""
+        """tokenizer: an llguidance `LLTokenizer` (see `from_tokenizer`); vocab_size: the model's."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.mask_size = max(vocab_size, int(tokenizer.vocab_size))
@@ -99,14 +99,23 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str, bool, str | None], Any] = OrderedDict()
 
     @classmethod
-    def from_hf(cls, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] | set[int]) -> "GrammarCompiler":
-        """For a Hugging Face fast tokenizer and a model with `vocab_size` logits (which may be
-        larger or smaller than the tokenizer's vocabulary: the mask covers both). About a second."""
-        import llguidance.hf  # imports transformers
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] | set[int]) -> "GrammarCompiler":
+        """For a fast tokenizer (ours, on the `tokenizers` library, or transformers') and a model with
+        `vocab_size` logits (which may be larger or smaller than the tokenizer's vocabulary: the mask
+        covers both). About a second."""
+        import copy
+
+        import llguidance
 
         n_vocab = max(vocab_size, len(tokenizer))
-        eos = sorted(eos_token_ids) or None
-        return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos), vocab_size)
+        eos = sorted(eos_token_ids) or tokenizer.eos_token_id
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured outputs need a fast tokenizer (a tokenizer.json)")
+        backend = copy.copy(backend)  # llguidance reads the whole tokenizer, without padding or truncation
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos), vocab_size)
 
     def compile(self, c: StructuredOutputsParams) -> TokenGrammar:
         """A fresh position at the start of the constraint's grammar. Raises InvalidRequestError

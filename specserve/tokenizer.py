@@ -3,8 +3,12 @@ detokenization."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from specserve.chat_template import ChatTemplate, ChatTemplateError
 
 from specserve.errors import InvalidRequestError
 
@@ -12,17 +16,191 @@ from specserve.errors import InvalidRequestError
 _CONTEXT_TOKENS = 5
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The tokenizer of a model directory. With a tokenizer.json (every fast tokenizer) it is loaded
-    as PreTrainedTokenizerFast, the class AutoTokenizer returns for it too, without AutoTokenizer's
-    registry of every model's tokenizer class (56 MB resident for the bundled model's)."""
-    if (Path(path) / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer of a model directory. With a tokenizer.json (every fast tokenizer) it is our
+    `Tokenizer`, on the `tokenizers` library: importing transformers alone is 0.8 s of a server's
+    start. A directory with only a slow (SentencePiece/Python) tokenizer goes to transformers'
+    AutoTokenizer."""
+    if (Path(path) / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(Path(path))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """What calling a tokenizer gives (the field callers read of a transformers BatchEncoding)."""
+
+    input_ids: list[int]
+
+
+def _clean_up_spaces(text: str) -> str:
+    """transformers' `clean_up_tokenization` (for WordPiece-style decoders)."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
+class Tokenizer:
+    """A fast tokenizer as transformers' PreTrainedTokenizerFast sets one up from a directory
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja), with the part of its interface the
+    engine and its users call: encoding, decoding, special tokens, vocabularies, chat templates. The
+    parity tests hold it to transformers token for token and template for template."""
+
+    def __init__(self, backend: Any, config: dict[str, Any], chat_template: str | dict[str, str] | None) -> None:
+        self.backend_tokenizer = backend
+        self.init_kwargs = config
+        self._template = ChatTemplate(chat_template) if chat_template else None
+        self._special: dict[str, str] = {}
+        for name in _SPECIAL_TOKEN_NAMES:
+            value = config.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                self._special[name] = value
+        self._setup_backend(config)
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and \
+            type(backend.model).__name__ != "BPE"  # transformers ignores it for BPE (it would corrupt output)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        template: str | dict[str, str] | None = None
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        elif (path / "chat_template.json").is_file():
+            template = json.loads((path / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+        elif config.get("chat_template") is not None:
+            template = config["chat_template"]
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = {t["name"]: t["template"] for t in template}
+        return cls(Backend.from_file(str(path / "tokenizer.json")), config, template)
+
+    def _setup_backend(self, config: dict[str, Any]) -> None:
+        """What transformers does to the backend at load: no padding or truncation, the config's
+        added tokens and named special tokens present, and a BOS/EOS post-processor where the config
+        asks for one (or the file has none)."""
+        from tokenizers import AddedToken, processors
+
+        b = self.backend_tokenizer
+        b.no_padding()
+        b.no_truncation()
+        present = {t.content for t in b.get_added_tokens_decoder().values()}
+        missing = []
+        for _, t in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
+            if t["content"] not in present:
+                missing.append(AddedToken(t["content"], single_word=t.get("single_word", False),
+                                          lstrip=t.get("lstrip", False), rstrip=t.get("rstrip", False),
+                                          normalized=t.get("normalized", True), special=t.get("special", False)))
+                present.add(t["content"])
+        for content in self._special.values():
+            if content not in present:
+                missing.append(AddedToken(content, special=True))
+                present.add(content)
+        if missing:
+            b.add_tokens(missing)
+        if "add_bos_token" in config or "add_eos_token" in config or b.post_processor is None:
+            bos = self._special.get("bos_token") if config.get("add_bos_token") else None
+            eos = self._special.get("eos_token") if config.get("add_eos_token") else None
+            single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
+            pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
+            special = [(t, b.token_to_id(t)) for t in (bos, eos) if t]
+            b.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+    # Encoding and decoding.
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        return Encoding(self.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend_tokenizer.decode([ids] if isinstance(ids, int) else list(ids),
+                                             skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self._clean_up else text
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> Any:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> Any:
+        def one(token: str) -> int | None:
+            found = self.backend_tokenizer.token_to_id(token)
+            return found if found is not None else self.unk_token_id
+
+        return one(tokens) if isinstance(tokens, str) else [one(t) for t in tokens]
+
+    # Vocabularies and special tokens.
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without added tokens (as transformers counts it)."""
+        return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=False))
+
+    def __len__(self) -> int:
+        return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.backend_tokenizer.get_vocab(with_added_tokens=True))
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        return dict(sorted(self.backend_tokenizer.get_added_tokens_decoder().items()))
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.added_tokens_decoder.items()}
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return dict(self._special)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [i for i, t in self.added_tokens_decoder.items() if t.special]
+
+    def _special_id(self, name: str) -> int | None:
+        token = self._special.get(name)
+        return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+    bos_token = property(lambda self: self._special.get("bos_token"))
+    eos_token = property(lambda self: self._special.get("eos_token"))
+    unk_token = property(lambda self: self._special.get("unk_token"))
+    pad_token = property(lambda self: self._special.get("pad_token"))
+    bos_token_id = property(lambda self: self._special_id("bos_token"))
+    eos_token_id = property(lambda self: self._special_id("eos_token"))
+    unk_token_id = property(lambda self: self._special_id("unk_token"))
+    pad_token_id = property(lambda self: self._special_id("pad_token"))
+
+    # Chat templates.
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        return None if self._template is None else self._template.source
+
+    @chat_template.setter
+    def chat_template(self, source: str | dict[str, str] | None) -> None:
+        self._template = ChatTemplate(source) if source else None
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            tokenize: bool = True, add_generation_prompt: bool = False,
+                            **variables: Any) -> str | list[int]:
+        """As transformers' method of the name: the special tokens' names are the template's
+        variables too (`variables` win)."""
+        if self._template is None:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        text = self._template.render(conversation, tools, add_generation_prompt, **{**self._special, **variables})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 # Tokens that end a turn in the chat formats of the families served (llama.cpp stops on the same

@@ -148,9 +148,11 @@ def test_every_end_of_turn_token_ends_generation(tiny_llama: Path, tmp_path: Pat
 
     model_dir = tmp_path / "eog-model"
     shutil.copytree(tiny_llama, model_dir)
-    tok = load_tokenizer(model_dir)
-    tok.add_tokens(["<|endoftext|>", "<|im_end|>", "<tool_call>"], special_tokens=True)
-    tok.save_pretrained(str(model_dir))
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    hf.add_tokens(["<|endoftext|>", "<|im_end|>", "<tool_call>"], special_tokens=True)
+    hf.save_pretrained(str(model_dir))
     tok = load_tokenizer(model_dir)
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<tool_call>")}
     assert end_of_generation_ids(tok) == {ids["<|endoftext|>"], ids["<|im_end|>"]}

@@ -83,7 +83,7 @@ def _allowed(g: Any, tok: Any, char: str) -> bool:
 
 def test_auto_grammar_is_free_text_until_a_call_opens(tiny_llama: Path) -> None:
     tok = load_tokenizer(tiny_llama)
-    compiler = GrammarCompiler.from_hf(tok, len(tok), {tok.eos_token_id})
+    compiler = GrammarCompiler.from_tokenizer(tok, len(tok), {tok.eos_token_id})
     grammar = ToolPlan((WEATHER, CLOCK), "auto", True, HERMES).constraint().grammar
     g, _ = _walk(compiler, grammar, tok, "Sure, ")
     assert all(_allowed(g, tok, c) for c in "X{<\n")  # free text
@@ -96,7 +96,7 @@ def test_auto_grammar_is_free_text_until_a_call_opens(tiny_llama: Path) -> None:
 
 def test_required_grammar_admits_calls_only(tiny_llama: Path) -> None:
     tok = load_tokenizer(tiny_llama)
-    compiler = GrammarCompiler.from_hf(tok, len(tok), {tok.eos_token_id})
+    compiler = GrammarCompiler.from_tokenizer(tok, len(tok), {tok.eos_token_id})
     one = ToolPlan((WEATHER, CLOCK), "required", False, HERMES).constraint().grammar
     g, _ = _walk(compiler, one, tok, "")
     assert _allowed(g, tok, "<") and not _allowed(g, tok, "S")  # no text before the call
@@ -141,7 +141,7 @@ def test_structural_tag_constrains_what_follows_its_trigger(tiny_llama: Path) ->
     from specserve.server.tools import structural_tag_grammar
 
     tok = load_tokenizer(tiny_llama)
-    compiler = GrammarCompiler.from_hf(tok, len(tok), {tok.eos_token_id})
+    compiler = GrammarCompiler.from_tokenizer(tok, len(tok), {tok.eos_token_id})
     spec = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER.parameters, "end": "</function>"}],
             "triggers": ["<function="]}
     grammar = structural_tag_grammar(json.dumps(spec), "structured_outputs.structural_tag").grammar

@@ -67,7 +67,7 @@ class InputProcessor:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured_outputs", "this model has no tokenizer to constrain")
-            self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def _grammar(self, params: SamplingParams) -> TokenGrammar | None:
