@@ -380,6 +380,20 @@ def test_a_truncated_file_names_the_file_and_the_tensor(files: dict[str, Path], 
     garbage.write_bytes(b"GGUF" + bytes([3, 0, 0, 0]) + bytes([0xFF] * 16) + data[24:2000])
     with pytest.raises(GGUFError, match="garbage.gguf"):
         GGUFFile(garbage)
+    # inside the vocabulary's string array: cut short, or one string's length beyond the file
+    key = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens")
+    first = key + 4 + 4 + 8  # the value's type, the array's element type and count
+    mid_array = tmp_path / "mid_array.gguf"
+    mid_array.write_bytes(data[:first + 200])
+    with pytest.raises(GGUFError, match=r"mid_array\.gguf is truncated or corrupt \(a string array"):
+        GGUFFile(mid_array)
+    huge = bytearray(data)
+    assert int.from_bytes(data[first:first + 8], "little") < 64  # the first token's length
+    huge[first:first + 8] = (1 << 62).to_bytes(8, "little")
+    bad_length = tmp_path / "bad_length.gguf"
+    bad_length.write_bytes(bytes(huge))
+    with pytest.raises(GGUFError, match=r"bad_length\.gguf is truncated or corrupt \(a string array"):
+        GGUFFile(bad_length)
     not_gguf = tmp_path / "text.gguf"
     not_gguf.write_text("hello")
     with pytest.raises(GGUFError, match="not a GGUF file"):

@@ -117,16 +117,15 @@ class _Cursor:
 
 
 def _skip_strings(buf: mmap.mmap, pos: int, count: int, path: Path) -> int:
-    """The position after `count` GGUF strings starting at `pos`."""
-    length = struct.Struct("<Q").unpack_from
-    end = len(buf)
-    for _ in range(count):
-        if pos + 8 > end:
-            break
-        pos += 8 + length(buf, pos)[0]
-    if pos > end:
+    """The position after `count` GGUF strings starting at `pos` (walked natively: a 151k-token
+    vocabulary and its merges took 0.1 s of a start in Python)."""
+    from specserve.model import ops
+
+    ops.load()
+    end = int(torch.ops.specserve.gguf_skip_strings(torch.frombuffer(buf, dtype=torch.uint8), pos, count))
+    if end < 0:
         raise GGUFError(f"model: {path} is truncated or corrupt (a string array runs past the end of the file)")
-    return pos
+    return end
 
 
 class GGUFFile:
