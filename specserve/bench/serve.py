@@ -23,12 +23,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from specserve.bench.datasets import Sample, TokenCounter
 from specserve.bench.report import progress
+
+if TYPE_CHECKING:  # imported where used: `specserve serve` builds the bench parsers too
+    import httpx
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -406,6 +407,8 @@ EMPTY_SPEC_ROW = {"spec_draft_tokens": None, "spec_accepted_tokens": None, "spec
 
 
 async def scrape_spec_counters(client: httpx.AsyncClient) -> DraftCounters | None:
+    import httpx
+
     try:
         resp = await client.get("/metrics")
     except httpx.HTTPError:
@@ -417,6 +420,8 @@ async def scrape_spec_counters(client: httpx.AsyncClient) -> DraftCounters | Non
 
 async def discover_model(client: httpx.AsyncClient) -> str | None:
     """The first model /v1/models lists, or None."""
+    import httpx
+
     try:
         resp = await client.get("/v1/models")
         if resp.status_code == 200:
@@ -458,6 +463,8 @@ class LoadGenerator:
         return asyncio.run(self.run_async(samples))
 
     async def run_async(self, samples: Sequence[Sample]) -> LoadRun:
+        import httpx
+
         cfg = self.config
         n = max(1, len(samples))
         limits = httpx.Limits(max_connections=cfg.max_concurrency or n, max_keepalive_connections=cfg.max_concurrency or n)
