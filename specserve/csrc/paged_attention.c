@@ -227,31 +227,58 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
     }
     for (int p = 0; p < kend; p++)
         for (int i = 0; i < nv; i++) l[i] += s[i * ld + p];
-    /* pass 3: the weighted values, eight dims at a time, key by key in position order */
+    /* pass 3: the weighted values, key by key in position order, sixteen dims (two vectors) of up to
+       four query vectors at a time: eight independent FMA chains (four were latency-bound), each
+       element's sum in the same order as eight dims at a time, so the results are bitwise the same */
     for (int b = 0; b < nblocks; b++) {
         const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
         const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
         load(v_cache, base, nk, KVH, D, kf);
-        for (int d = 0; d < D; d += 8)
-            for (int i0 = 0; i0 < nv; i0 += 4) {
-                const int ni = nv - i0 < 4 ? nv - i0 : 4;
-                const float *w0 = s + (int64_t)i0 * ld + p0;
-                __m256 c0 = _mm256_loadu_ps(acc + (int64_t)i0 * D + d), c1 = c0, c2 = c0, c3 = c0;
-                if (ni > 1) c1 = _mm256_loadu_ps(acc + (int64_t)(i0 + 1) * D + d);
-                if (ni > 2) c2 = _mm256_loadu_ps(acc + (int64_t)(i0 + 2) * D + d);
-                if (ni > 3) c3 = _mm256_loadu_ps(acc + (int64_t)(i0 + 3) * D + d);
+        for (int i0 = 0; i0 < nv; i0 += 4) {
+            const int ni = nv - i0 < 4 ? nv - i0 : 4;
+            const float *w0 = s + (int64_t)i0 * ld + p0;
+            float *a0 = acc + (int64_t)i0 * D;
+            int d = 0;
+            for (; d + 16 <= D; d += 16) {
+                const float *w1 = w0 + (ni > 1 ? ld : 0), *w2 = w0 + (ni > 2 ? 2 * ld : 0), *w3 = w0 + (ni > 3 ? 3 * ld : 0);
+                float *a1 = a0 + (ni > 1 ? D : 0), *a2 = a0 + (ni > 2 ? 2 * D : 0), *a3 = a0 + (ni > 3 ? 3 * D : 0);
+                __m256 c00 = _mm256_loadu_ps(a0 + d), c01 = _mm256_loadu_ps(a0 + d + 8);
+                __m256 c10 = _mm256_loadu_ps(a1 + d), c11 = _mm256_loadu_ps(a1 + d + 8);
+                __m256 c20 = _mm256_loadu_ps(a2 + d), c21 = _mm256_loadu_ps(a2 + d + 8);
+                __m256 c30 = _mm256_loadu_ps(a3 + d), c31 = _mm256_loadu_ps(a3 + d + 8);
+                const float *vp = kf + d;
+                for (int tk = 0; tk < nk; tk++, vp += D) {
+                    const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+                    __m256 w = _mm256_broadcast_ss(w0 + tk);
+                    c00 = _mm256_fmadd_ps(w, v0, c00);
+                    c01 = _mm256_fmadd_ps(w, v1, c01);
+                    w = _mm256_broadcast_ss(w1 + tk);
+                    c10 = _mm256_fmadd_ps(w, v0, c10);
+                    c11 = _mm256_fmadd_ps(w, v1, c11);
+                    w = _mm256_broadcast_ss(w2 + tk);
+                    c20 = _mm256_fmadd_ps(w, v0, c20);
+                    c21 = _mm256_fmadd_ps(w, v1, c21);
+                    w = _mm256_broadcast_ss(w3 + tk);
+                    c30 = _mm256_fmadd_ps(w, v0, c30);
+                    c31 = _mm256_fmadd_ps(w, v1, c31);
+                }
+                /* in a short tile the missing rows alias row 0 and compute its very sums */
+                _mm256_storeu_ps(a3 + d, c30); _mm256_storeu_ps(a3 + d + 8, c31);
+                _mm256_storeu_ps(a2 + d, c20); _mm256_storeu_ps(a2 + d + 8, c21);
+                _mm256_storeu_ps(a1 + d, c10); _mm256_storeu_ps(a1 + d + 8, c11);
+                _mm256_storeu_ps(a0 + d, c00); _mm256_storeu_ps(a0 + d + 8, c01);
+            }
+            for (; d < D; d += 8) {
+                __m256 c[4];
+                for (int x = 0; x < 4; x++) c[x] = _mm256_loadu_ps(a0 + (int64_t)(x < ni ? x : 0) * D + d);
                 for (int tk = 0; tk < nk; tk++) {
                     const __m256 v = _mm256_loadu_ps(kf + (int64_t)tk * D + d);
-                    c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + tk), v, c0);
-                    if (ni > 1) c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + ld + tk), v, c1);
-                    if (ni > 2) c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + 2 * ld + tk), v, c2);
-                    if (ni > 3) c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + 3 * ld + tk), v, c3);
+                    for (int x = 0; x < 4; x++)
+                        c[x] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + (int64_t)(x < ni ? x : 0) * ld + tk), v, c[x]);
                 }
-                _mm256_storeu_ps(acc + (int64_t)i0 * D + d, c0);
-                if (ni > 1) _mm256_storeu_ps(acc + (int64_t)(i0 + 1) * D + d, c1);
-                if (ni > 2) _mm256_storeu_ps(acc + (int64_t)(i0 + 2) * D + d, c2);
-                if (ni > 3) _mm256_storeu_ps(acc + (int64_t)(i0 + 3) * D + d, c3);
+                for (int x = 0; x < ni; x++) _mm256_storeu_ps(a0 + (int64_t)x * D + d, c[x]);
             }
+        }
     }
     for (int r = 0; r < t->rows; r++)
         for (int j = 0; j < rep; j++) {
