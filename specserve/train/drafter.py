@@ -62,6 +62,7 @@ class TrainConfig:
     gen_batch: int = 32
     device: str = "cpu"
     quantization: str = "auto"
+    precision: str = "float32"  # of the head's training matmuls: float32, or bfloat16 (autocast; weights stay float32)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class TrainConfig:
             raise ValueError(f"eval_fraction: must be in [0, 0.5), got {self.eval_fraction}")
         if self.lr <= 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.precision not in ("float32", "bfloat16"):
+            raise ValueError(f"precision: must be float32 or bfloat16, got {self.precision!r}")
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -237,6 +240,12 @@ class DrafterTrainer:
         data = _Data(hidden, tokens, embed, to_draft, c.device, choices)
         held_out = _Data(hidden, tokens, embed, to_draft, c.device)  # judged on answer tokens only
 
+        # bfloat16 matmuls (float32 weights, optimizer and losses) halve a step on CPUs with BF16
+        # dot products: 9 -> 4.5 s a 2048-token step of the 1.5B's head on a 2-core Zen 4.
+        def amp() -> Any:
+            return torch.autocast(torch.device(c.device).type, dtype=torch.bfloat16,
+                                  enabled=c.precision == "bfloat16")
+
         batches_per_epoch = len(list(_batches(trains, c.batch_tokens, random.Random(0))))
         total = max(1, batches_per_epoch * c.epochs)
         opt = torch.optim.AdamW(head.parameters(), lr=c.lr, weight_decay=0.0)
@@ -257,10 +266,11 @@ class DrafterTrainer:
             batches = list(_batches(trains, c.batch_tokens, random.Random(c.seed + epoch)))
             for batch in batches[step - epoch * batches_per_epoch:]:
                 head.train()
-                losses = self._losses(head, lm_rows, data, batch, noise=c.feature_noise)
-                loss = losses["feature"] + c.token_weight * losses["token"]
-                if c.own_feature_weight > 0:
-                    loss = loss + c.own_feature_weight * (losses["feature2"] + c.token_weight * losses["token2"])
+                with amp():
+                    losses = self._losses(head, lm_rows, data, batch, noise=c.feature_noise)
+                    loss = losses["feature"] + c.token_weight * losses["token"]
+                    if c.own_feature_weight > 0:
+                        loss = loss + c.own_feature_weight * (losses["feature2"] + c.token_weight * losses["token2"])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -359,7 +369,7 @@ def _schedule(step: int, total: int) -> float:
 
 def _terms(out: torch.Tensor, lm_rows: torch.Tensor, next_feats: torch.Tensor, labels: torch.Tensor,
            fmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    feature = F.smooth_l1_loss(out[fmask], next_feats[fmask])
+    feature = F.smooth_l1_loss(out[fmask].float(), next_feats[fmask])
     keep = labels >= 0
     logits = out[keep] @ lm_rows.T
     token = F.cross_entropy(logits, labels[keep]) if logits.shape[0] else out.sum() * 0
