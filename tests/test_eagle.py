@@ -59,14 +59,27 @@ def test_trainer_learns_and_resumes(tiny_llama: Path, tmp_path: Path) -> None:
     assert llm.generate("abc", GREEDY, use_tqdm=False)[0].token_ids
 
 
-def test_bfloat16_training_learns_and_keeps_float32_weights(tiny_llama: Path, tmp_path: Path) -> None:
+def test_bfloat16_training_learns_and_keeps_float32_weights(tiny_llama: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """--precision bfloat16 runs the head's matmuls in bfloat16 under autocast (half the step on
     CPUs with BF16 dot products): the loss still falls, the weights stay float32; any other value
     is an error naming the field."""
     import dataclasses
 
+    from specserve.model.eagle import EagleHead
+
+    seen: set[object] = set()
+    forward = EagleHead.forward
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.training:  # what the training steps ran under (evaluation runs in float32)
+            seen.add(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(EagleHead, "forward", recording)
     config = dataclasses.replace(_train_config(tiny_llama, tmp_path), precision="bfloat16")
     head = DrafterTrainer(config).run()
+    assert seen == {torch.bfloat16}
     log = [json.loads(line) for line in (head / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < 0.9 * log[0]["loss"], "training must lower the loss"
     assert all(p.dtype == torch.float32 for p in load_head(head).parameters())
