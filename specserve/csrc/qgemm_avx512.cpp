@@ -53,6 +53,17 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i q, const void* p) {
     return acc;
 }
 
+// Share `part` of `kParts` of the cache lines of a block of kBlockBytes at pf, asked of L2 (where
+// kAhead): a block kernel spreads the next group's prefetches over its work. Asked all at once at the
+// block's start (37 lines for Q4_Kx16, 53 for Q6_Kx16) they were slower (one process, sixteen shuffled
+// rounds, the 1.5B: 4 rows 39.7 -> 37.9 ms, 8 rows 58.6 -> 50.5, 16 rows 106.4 -> 96.1).
+template <bool kAhead, int kBlockBytes, int kParts>
+inline void prefetch_share(const uint8_t* pf, int part) {
+    constexpr int kLines = (kBlockBytes + 63) / 64;
+    if constexpr (kAhead)
+        for (int l = kLines * part / kParts; l < kLines * (part + 1) / kParts; l++) _mm_prefetch((const char*)(pf + 64 * l), _MM_HINT_T1);
+}
+
 // ---- Q4_K packed sixteen rows at a time ---------------------------------------------------------
 
 constexpr int kX16 = 16;
@@ -61,14 +72,16 @@ constexpr int kX16Bytes = 148 * kX16;  // a packed super-block of sixteen rows
 constexpr int kX16Dmin = 32, kX16Scales = 64, kX16Mins = 192, kX16Qs = 320;
 
 // Q4_Kx16 super-block times R activation blocks (x[r * stride]); acc[r] lane j += row j's share.
-template <int R>
-inline void dot_q4kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) {
+// With kAhead, pf is the next group's block, asked of L2 a share per sub-block.
+template <int R, bool kAhead>
+inline void dot_q4kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc, const uint8_t* pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
         const uint8_t* qs = g + kX16Qs + 512 * (s >> 1);
+        prefetch_share<kAhead, kX16Bytes, 8>(pf, s);
         __m512i p[R];
         for (int r = 0; r < R; r++) p[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -104,8 +117,8 @@ constexpr int kQ6x16Scales = 32, kQ6x16Runs = 288, kQ6x16Run = 192;  // gguf_pac
 // gives four groups of four quants, u = v, v + 16, v + 32, v + 48 (sub-blocks v / 4 + 4k); a
 // sub-block's sums start at the activation's -32 * (its sum) (the quants are stored plus 32), take
 // its four groups (vpdpbusd), then its scales. The block is read front to back.
-template <int R>
-inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) {
+template <int R, bool kAhead>
+inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc, const uint8_t* pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
@@ -117,6 +130,7 @@ inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride,
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const int v = 4 * c + i;
+            prefetch_share<kAhead, kQ6x16Bytes, 16>(pf, v);
             const uint8_t* run = g + kQ6x16Runs + kQ6x16Run * v;
             const __m512i a = _mm512_loadu_si512((const void*)run);
             const __m512i b = _mm512_loadu_si512((const void*)(run + 64));
@@ -145,14 +159,15 @@ inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride,
 // The same sums sub-block by sub-block (each run read four times, from the cache): only one
 // sub-block's sums live per row, so eight rows fit the registers. Integer sums in another order:
 // the same result, bit for bit.
-template <int R>
-inline void dot_q6kx16_by_sub_block(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) {
+template <int R, bool kAhead>
+inline void dot_q6kx16_by_sub_block(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc, const uint8_t* pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int s = 0; s < 16; s++) {  // sub-block s: quants 16s .. 16s + 15 = groups u = 4s .. 4s + 3 (runs v = u % 16)
         const int k = s / 4;
+        prefetch_share<kAhead, kQ6x16Bytes, 16>(pf, s);
         __m512i p[R];
         for (int r = 0; r < R; r++) p[r] = bcast4(x[r * stride].q6_offset + s);
 #pragma GCC unroll 4
@@ -175,10 +190,10 @@ inline void dot_q6kx16_by_sub_block(const uint8_t* g, const ActQ8K* x, int64_t s
 }
 
 // Few rows: by run (four sub-blocks' sums live per row, every run unpacked once); more: by sub-block.
-template <int R>
-inline void dot_q6kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc) {
-    if constexpr (R <= 4) dot_q6kx16_by_run<R>(g, x, stride, acc);
-    else dot_q6kx16_by_sub_block<R>(g, x, stride, acc);
+template <int R, bool kAhead>
+inline void dot_q6kx16(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc, const uint8_t* pf) {
+    if constexpr (R <= 4) dot_q6kx16_by_run<R, kAhead>(g, x, stride, acc, pf);
+    else dot_q6kx16_by_sub_block<R, kAhead>(g, x, stride, acc, pf);
 }
 
 // ---- Q4_0, Q4_1, Q8_0 packed sixteen rows at a time (blocks of 32) -------------------------------
@@ -231,23 +246,26 @@ struct Packed16<kQ4_Kx16> {
     using Act = ActQ8K;
     static constexpr int kElems = kQK, kBytes = kX16Bytes, kChains = 1;
     static constexpr int kRows = 4;  // activation rows per pass (8 spill registers: slower, measured)
-    template <int R>
-    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc) { dot_q4kx16<R>(g, x, stride, acc); }
+    template <int R, bool kAhead>
+    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc, const uint8_t* pf) { dot_q4kx16<R, kAhead>(g, x, stride, acc, pf); }
+    static constexpr bool kSpreads = true;
 };
 template <>
 struct Packed16<kQ6_Kx16> {
     using Act = ActQ8K;
     static constexpr int kElems = kQK, kBytes = kQ6x16Bytes, kChains = 1, kRows = 8;
-    template <int R>
-    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc) { dot_q6kx16<R>(g, x, stride, acc); }
+    template <int R, bool kAhead>
+    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc, const uint8_t* pf) { dot_q6kx16<R, kAhead>(g, x, stride, acc, pf); }
+    static constexpr bool kSpreads = true;
 };
 template <int FileType>
 struct Legacy16 {
     using Act = ActQ8B;
     static constexpr int kElems = kQ32, kChains = 2, kRows = 4;
     static constexpr int kBytes = kX16 * (FileType == kQ8_0 ? 34 : (FileType == kQ4_1 ? 20 : 18));
-    template <int R>
-    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc) { dot_legacy16<FileType, R>(g, x, stride, acc); }
+    template <int R, bool kAhead>
+    static void dot(const uint8_t* g, const Act* x, int64_t stride, __m512* acc, const uint8_t*) { dot_legacy16<FileType, R>(g, x, stride, acc); }
+    static constexpr bool kSpreads = false;  // blocks of 5 to 9 lines: asked at the block's start
 };
 template <>
 struct Packed16<kQ4_0x16> : Legacy16<kQ4_0> {};
@@ -256,12 +274,17 @@ struct Packed16<kQ4_1x16> : Legacy16<kQ4_1> {};
 template <>
 struct Packed16<kQ8_0x16> : Legacy16<kQ8_0> {};
 
-// A group against R activation rows. Where a tile has more than two rows, the next group's blocks
+// A group against R activation rows. Where a tile has two rows or more, the next group's blocks
 // (`ahead`) are asked of L2 as these are read: the work per byte is then long enough that the
 // nearer prefetch alone lets the memory idle, and the passes after the first read this group from
 // the cache (measured, 2-core Zen 4: 4 rows of a K = 8960 Q4_K projection 10.3 -> 6.6 ms, 16 rows of
-// Q6_K 10% faster; one and two rows slower with it, so not there).
-template <int Type, int R>
+// Q6_K 10% faster; one row slower with it, so not there). With `ahead` the near prefetch into L1
+// is left to the hardware (both at once took a 4-row forward of the 1.5B 47.7 -> 42.5 ms, one
+// process, eight interleaved rounds), and Q4_K's and Q6_K's block kernels spread the next group's
+// prefetches over their sub-blocks (prefetch_share). Together with ops.cpp's longer chunks, the
+// 1.5B's forward against the build before, six alternating processes: 1 row 31.6 -> 28.1 ms, 4 rows
+// 49.9 -> 40.8, 16 rows 128.1 -> 122.7.
+template <int Type, int R, bool kAhead>
 inline void group16(const uint8_t* g, const typename Packed16<Type>::Act* x, int64_t stride, int64_t nb, __m512* out,
                     const uint8_t* ahead) {
     using P = Packed16<Type>;
@@ -270,10 +293,11 @@ inline void group16(const uint8_t* g, const typename Packed16<Type>::Act* x, int
         for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = g + b * P::kBytes;
-        for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
-        if (ahead)
+        if constexpr (!kAhead)
+            for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+        else if constexpr (!P::kSpreads)
             for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(ahead + b * P::kBytes + l), _MM_HINT_T1);
-        P::template dot<R>(blk, x + b, stride, acc[b % P::kChains]);
+        P::template dot<R, kAhead && P::kSpreads>(blk, x + b, stride, acc[b % P::kChains], kAhead ? ahead + b * P::kBytes : nullptr);
     }
     for (int r = 0; r < R; r++) out[r] = P::kChains == 2 ? _mm512_add_ps(acc[0][r], acc[1][r]) : acc[0][r];
 }
@@ -284,7 +308,8 @@ inline void group16_rows(int rows, const uint8_t* g, const typename Packed16<Typ
     if constexpr (R > 1) {
         if (rows < R) return group16_rows<Type, R - 1>(rows, g, x, nb, out, ahead);
     }
-    group16<Type, R>(g, x, nb, nb, out, ahead);
+    if (ahead) group16<Type, R, true>(g, x, nb, nb, out, ahead);
+    else group16<Type, R, false>(g, x, nb, nb, out, nullptr);
 }
 
 template <int Type>
@@ -303,7 +328,7 @@ void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
             const __m512 bias = t.bias ? _mm512_loadu_ps(t.bias + n) : _mm512_setzero_ps();
             for (int i = 0; i < mt; i += kRows) {
                 const int rows = mt - i < kRows ? mt - i : kRows;
-                const uint8_t* ahead = i == 0 && mt > 2 && n + kX16 < n1 ? g + kX16 * t.row_bytes : nullptr;
+                const uint8_t* ahead = i == 0 && mt >= 2 && n + kX16 < n1 ? g + kX16 * t.row_bytes : nullptr;
                 group16_rows<Type, kRows>(rows, g, x + i * nb, nb, out, ahead);
                 for (int r = 0; r < rows; r++) _mm512_storeu_ps(t.y + (m0 + i + r) * t.ldy + n, _mm512_add_ps(out[r], bias));
             }
