@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = bench_sub.add_parser("spec", help="speculative decoding on Spec-Bench (or another dataset), every "
                               "drafter; NAME:fixed or NAME:goodput picks a row's controller")
     EngineArgs.add_cli_args(sp)
-    sp.add_argument("--methods", default=None, help="comma-separated subset (default: all; `none` always runs)")
+    sp.add_argument("--methods", default=None,
+                    help="comma-separated subset (default: all; `none` always runs); NAME:fixed or NAME:goodput "
+                         "picks the controller for one row, NAME@K its most draft tokens (e.g. auto@4,auto@16)")
     sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
     sp.add_argument("--batch", type=int, default=1,
                     help="requests generated together (default 1: one at a time, with per-category rows)")

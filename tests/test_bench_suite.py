@@ -657,3 +657,23 @@ def test_weight_bytes_counts_every_kernel_layout() -> None:
         assert _weight_bytes(model) == want  # the blocked copy replaces the dense one in the count
     model[1].kernel = NativeInt4Kernel(quantize_int4(model[1].weight.detach()), None)
     assert _weight_bytes(model) < want
+
+
+def test_spec_bench_method_rows_take_their_own_draft_budget() -> None:
+    """`--methods auto@4,auto@16` sweeps K in one interleaved run: each row keeps its drafter and
+    controller and takes its own num_tokens; a malformed count is an error naming the row."""
+    import argparse
+
+    from specserve.bench.spec import _methods
+
+    a = argparse.Namespace(spec_tokens=8, spec_width=1, draft_layers=None, draft_stop_below=0.0, eagle_head=None,
+                           model="tiny", draft_model=None, methods="auto@4,auto:fixed@16,suffix",
+                           spec_controller="goodput")
+    rows = dict(_methods(a))
+    assert list(rows) == ["none", "auto@4", "auto:fixed@16", "suffix"]
+    assert rows["auto@4"] == dict(method="auto", num_tokens=4, controller="goodput")
+    assert rows["auto:fixed@16"] == dict(method="auto", num_tokens=16, controller="fixed")
+    assert rows["suffix"]["num_tokens"] == 8
+    a.methods = "auto@many"
+    with pytest.raises(ValueError, match="auto@many"):
+        _methods(a)

@@ -96,6 +96,12 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
                 all_methods[f"{name}:{c}"] = dict(spec, controller=c)
         if all_methods[name] is not None:
             all_methods[name] = dict(all_methods[name], controller=controller)  # type: ignore[arg-type]
+    for name in names:  # NAME@K: the same row with at most K draft tokens (a sweep of K in one run)
+        base, sep, k_text = name.rpartition("@")
+        if sep and base in all_methods and all_methods[base] is not None:
+            if not k_text.isdigit():
+                raise ValueError(f"methods: {name!r}: the number after '@' must be a count of draft tokens")
+            all_methods[name] = dict(all_methods[base], num_tokens=int(k_text))  # type: ignore[arg-type]
     unknown = [n for n in names if n not in all_methods]
     if unknown:
         hint = " (draft-model needs --draft-model PATH)" if "draft-model" in unknown else ""
