@@ -35,7 +35,7 @@ class SpeculativeConfig:
     """
 
     method: str = "none"
-    num_tokens: int = 4
+    num_tokens: int = 8
     controller: str = "goodput"
     width: int = 1
     draft_model: str | None = None
