@@ -150,8 +150,9 @@ def test_every_variant_computes_the_dequantized_product_from_packed_weights(isa:
 @pytest.mark.parametrize("isa, t", READS)
 def test_every_variant_is_batch_invariant_bit_for_bit_on_packed_weights(isa: str, t: ops.PackedType) -> None:
     """As for the file's blocks: a row alone and among 1..70 rows (tiles, groups of activation rows
-    and the remainders) gives the same bits."""
-    packed = _packed(_blocks(Q(t.source), 32, 512, seed=2)[0], t)
+    and the remainders) gives the same bits. 128 weight rows: each thread's chunk holds several
+    groups, so the kernels' path that asks for the next group ahead runs too."""
+    packed = _packed(_blocks(Q(t.source), 128, 512, seed=2)[0], t)
     x = torch.randn(70, 512)
     run = lambda rows: torch.ops.specserve.gguf_linear(rows, [packed], [t.type_id], None, ops.isa_id(isa))  # noqa: E731
     full = run(x)
