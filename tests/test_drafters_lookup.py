@@ -209,7 +209,7 @@ def test_suffix_trie_counts_every_window():
 def test_suffix_trie_partial_adds_interleave_with_removes():
     # Protects: an output indexed a few tokens at a time (the global cache's absorption) while other
     # outputs are removed keeps exactly the window counts of what is indexed: the others left plus
-    # the partial output's prefix; removing the pushed prefix leaves only the others.
+    # the partial output's prefix; cutting it short (remove with `end`) leaves only the others.
     rng = random.Random(5)
     for _ in range(80):
         depth = rng.randrange(1, 7)
@@ -228,7 +228,7 @@ def test_suffix_trie_partial_adds_interleave_with_removes():
             if kept and rng.random() < 0.3:
                 trie.remove(kept.pop(rng.randrange(len(kept))))
             assert trie_counts(trie) == window_counts([list(o) for o in kept] + [list(part[: i + 1])], depth)
-        trie.remove(grown)
+        trie.remove(part, cut)
         assert trie_counts(trie) == window_counts([list(o) for o in kept], depth)
         if cut == len(part):  # a whole output indexed this way is removed as an added one is
             for o in kept:

@@ -138,11 +138,13 @@ class SuffixTrie:
         for i in range(len(seq)):
             windows = self.push(seq, i, windows)
 
-    def remove(self, seq: Sequence[int]) -> None:
-        """Undo `add(seq)`, or the pushes of `seq`'s tokens so far (counts drop; empty nodes go)."""
-        for start in range(len(seq)):
+    def remove(self, seq: Sequence[int], end: int | None = None) -> None:
+        """Undo `add(seq)` for the same sequence object (counts drop; empty nodes go), or, with
+        `end`, undo pushing its first `end` tokens (an add cut short)."""
+        n = len(seq) if end is None else end
+        for start in range(n):
             node = self.root
-            for k in range(min(self.depth, len(seq) - start)):
+            for k in range(min(self.depth, n - start)):
                 children = node.children
                 assert children is not None
                 tok = seq[start + k]
@@ -225,10 +227,6 @@ class SuffixConfig:
 
 @dataclass
 class _RequestIndex:
-    """A sequence indexed token by token as it grows (a request's own tokens; a finished output
-    entering the global trie a few tokens per proposal). Compressed nodes point into `seq`, so they
-    show only what has been pushed."""
-
     trie: SuffixTrie
     seq: list[int] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)
@@ -242,11 +240,17 @@ class _RequestIndex:
 
 @dataclass
 class _Absorption:
-    """A finished output entering the global trie a few tokens per proposal."""
+    """A finished output being indexed in the global trie a few tokens per proposal: its windows
+    up to `pos` are in the trie, those still open are `windows`."""
 
     request_id: str
     output: tuple[int, ...]
-    index: _RequestIndex  # over the global trie; index.seq: the tokens pushed so far
+    grown: list[int] = field(default_factory=list)  # output[:pos]: what the trie's nodes may show
+    windows: list[Window] = field(default_factory=list)
+
+    @property
+    def pos(self) -> int:
+        return len(self.grown)
 
 
 @dataclass
@@ -320,13 +324,15 @@ class SuffixDrafter(Drafter):
                 if self._absorbing is None:
                     if not self._pending:
                         return
-                    request_id, output = self._pending.popitem(last=False)
-                    self._absorbing = _Absorption(request_id, output, _RequestIndex(self._global))
+                    self._absorbing = _Absorption(*self._pending.popitem(last=False))
                 a = self._absorbing
-                start = len(a.index.seq)
-                a.index.extend(a.output[: start + tokens])
-                tokens -= len(a.index.seq) - start
-                if len(a.index.seq) == len(a.output):
+                start = a.pos
+                end = min(len(a.output), start + tokens)
+                for i in range(start, end):  # compressed nodes show a continuation: only what is in
+                    a.grown.append(a.output[i])
+                    a.windows = self._global.push(a.grown, i, a.windows)
+                tokens -= end - start
+                if a.pos == len(a.output):
                     self._cached[a.request_id] = a.output
                     self._absorbing = None
 
@@ -334,7 +340,7 @@ class SuffixDrafter(Drafter):
         """Take the output being indexed back out of the global index (the lock held)."""
         a = self._absorbing
         assert a is not None
-        self._global.remove(a.index.seq)
+        self._global.remove(a.grown)
         self._absorbing = None
 
     def _evict(self) -> None:
