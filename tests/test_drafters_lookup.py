@@ -206,36 +206,6 @@ def test_suffix_trie_counts_every_window():
         assert trie_counts(trie) == Counter() and trie.root.children == {}
 
 
-def test_suffix_trie_partial_adds_interleave_with_removes():
-    # Protects: an output indexed a few tokens at a time (the global cache's absorption) while other
-    # outputs are removed keeps exactly the window counts of what is indexed: the others left plus
-    # the partial output's prefix; cutting it short (remove with `end`) leaves only the others.
-    rng = random.Random(5)
-    for _ in range(80):
-        depth = rng.randrange(1, 7)
-        others = [tuple(rng.randrange(3) for _ in range(rng.randrange(1, 20))) for _ in range(3)]
-        part = tuple(rng.randrange(3) for _ in range(rng.randrange(2, 30)))
-        trie = SuffixTrie(depth)
-        for o in others:
-            trie.add(o)
-        kept = list(others)
-        windows: list = []
-        grown: list = []  # as the drafter indexes it: the nodes see only what is pushed
-        cut = rng.randrange(1, len(part) + 1)
-        for i in range(cut):
-            grown.append(part[i])
-            windows = trie.push(grown, i, windows)
-            if kept and rng.random() < 0.3:
-                trie.remove(kept.pop(rng.randrange(len(kept))))
-            assert trie_counts(trie) == window_counts([list(o) for o in kept] + [list(part[: i + 1])], depth)
-        trie.remove(part, cut)
-        assert trie_counts(trie) == window_counts([list(o) for o in kept], depth)
-        if cut == len(part):  # a whole output indexed this way is removed as an added one is
-            for o in kept:
-                trie.remove(o)
-            assert trie_counts(trie) == Counter()
-
-
 # ---------------------------------------------------------------- suffix drafter
 
 
@@ -278,40 +248,6 @@ def test_suffix_global_cache_evicts_oldest():
     off = SuffixDrafter(max_cached_requests=0)
     off.finish("a", view([0], outs["q0"], rid="a"))
     assert off.num_cached_requests == 0
-
-
-def test_suffix_indexes_finished_outputs_a_few_tokens_per_proposal():
-    # Protects: a finished output enters the global index ABSORB_TOKENS_PER_CALL tokens per
-    # proposal (no proposal waits for whole outputs), resumes where it stopped, and an output
-    # evicted or finished again mid-way leaves no partial windows behind.
-    per = SuffixDrafter.ABSORB_TOKENS_PER_CALL
-    d = SuffixDrafter(max_cached_requests=2)
-    depth = d.config.trie_depth
-    out = [100 + j for j in range(2 * per + 5)]
-    d.finish("a", view([0], out, rid="a"))
-    assert trie_counts(d._global) == Counter()
-    propose(d, view([1, 2], rid="p"), 2)
-    assert trie_counts(d._global) == window_counts([out[:per]], depth)
-    propose(d, view([1, 2], rid="p"), 2)
-    assert trie_counts(d._global) == window_counts([out[: 2 * per]], depth)
-    assert propose(d, view([7] + out[per : per + 4], rid="q"), 3).tokens == tuple(out[per + 4 : per + 7])
-    assert trie_counts(d._global) == window_counts([out], depth) and d.num_cached_requests == 1
-    # b half indexed, then two newer outputs push the cache past 2: b (the oldest after a) goes too
-    b = [300 + j for j in range(2 * per)]
-    d.finish("b", view([0], b, rid="b"))
-    propose(d, view([1, 2], rid="p"), 2)
-    assert trie_counts(d._global) == window_counts([out, b[:per]], depth)
-    d.finish("c", view([0], [500, 501, 502], rid="c"))
-    d.finish("e", view([0], [600, 601, 602], rid="e"))
-    assert trie_counts(d._global) == Counter() and d.num_cached_requests == 2
-    # the same id finished again while being indexed: the newer output replaces it
-    propose(d, view([1, 2], rid="p"), 2)
-    d.finish("f", view([0], b, rid="f"))
-    propose(d, view([1, 2], rid="p"), 2)
-    d.finish("f", view([0], [700, 701], rid="f"))
-    for _ in range(3):
-        propose(d, view([1, 2], rid="p"), 2)
-    assert trie_counts(d._global) == window_counts([[600, 601, 602], [700, 701]], depth)
 
 
 def test_suffix_drops_request_state_on_finish_and_rebuilds_on_change():

@@ -138,13 +138,11 @@ class SuffixTrie:
         for i in range(len(seq)):
             windows = self.push(seq, i, windows)
 
-    def remove(self, seq: Sequence[int], end: int | None = None) -> None:
-        """Undo `add(seq)` for the same sequence object (counts drop; empty nodes go), or, with
-        `end`, undo pushing its first `end` tokens (an add cut short)."""
-        n = len(seq) if end is None else end
-        for start in range(n):
+    def remove(self, seq: Sequence[int]) -> None:
+        """Undo `add(seq)` for the same sequence object (counts drop; empty nodes go)."""
+        for start in range(len(seq)):
             node = self.root
-            for k in range(min(self.depth, n - start)):
+            for k in range(min(self.depth, len(seq) - start)):
                 children = node.children
                 assert children is not None
                 tok = seq[start + k]
@@ -239,21 +237,6 @@ class _RequestIndex:
 
 
 @dataclass
-class _Absorption:
-    """A finished output being indexed in the global trie a few tokens per proposal: its windows
-    up to `pos` are in the trie, those still open are `windows`."""
-
-    request_id: str
-    output: tuple[int, ...]
-    grown: list[int] = field(default_factory=list)  # output[:pos]: what the trie's nodes may show
-    windows: list[Window] = field(default_factory=list)
-
-    @property
-    def pos(self) -> int:
-        return len(self.grown)
-
-
-@dataclass
 class _Candidate:
     tokens: list[int]
     parents: list[int]
@@ -280,16 +263,12 @@ class SuffixDrafter(Drafter):
         self._global = SuffixTrie(self.config.trie_depth)
         self._cached: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # outputs in the global index
         self._pending: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # finished, not indexed yet
-        self._absorbing: _Absorption | None = None  # the output being indexed (in neither dict)
         self._calls = 0
 
-    # Finished outputs are indexed when the drafter is next asked to propose, at most this many of
-    # their tokens per call (the oldest output first, resumed where the last call stopped): indexing
-    # a token (every window of up to `trie_depth` tokens through it) costs tens of microseconds, a
-    # step that does not draft with suffix (the controller or the goodput guard says so) should not
-    # pay it, and one that does should not wait for whole outputs (two per call, as before, were a
-    # 22 ms stall in a 15 ms step at batch 8 on the bundled model).
-    ABSORB_TOKENS_PER_CALL = 32
+    # Finished outputs are indexed when the drafter is next asked to propose, at most this many per
+    # call: indexing one (every window of up to `trie_depth` tokens) costs milliseconds, and a step
+    # that does not draft with suffix (the controller or the goodput guard says so) should not pay it.
+    ABSORB_PER_CALL = 2
 
     # -- Drafter ------------------------------------------------------------------
 
@@ -297,7 +276,7 @@ class SuffixDrafter(Drafter):
         self._calls += 1
         if self._calls % 256 == 0:
             self._drop_stale()
-        self._absorb(self.ABSORB_TOKENS_PER_CALL)
+        self._absorb(self.ABSORB_PER_CALL)
         return [self._propose_one(r.view, r.budget) for r in requests]
 
     def finish(self, request_id: str, view: RequestView) -> None:
@@ -306,8 +285,6 @@ class SuffixDrafter(Drafter):
             self._requests.pop(request_id, None)
             if self.config.max_cached_requests == 0 or not output:
                 return
-            if self._absorbing is not None and self._absorbing.request_id == request_id:
-                self._drop_absorbing()  # an id finished again: its newer output replaces it
             old = self._cached.pop(request_id, None)
             if old is not None:
                 self._global.remove(old)
@@ -315,43 +292,20 @@ class SuffixDrafter(Drafter):
             self._pending[request_id] = output
             self._evict()
 
-    def _absorb(self, tokens: int) -> None:
-        """Index up to `tokens` tokens of pending finished outputs in the global index, oldest first.
-        Another output's removal may come between two calls: the trie's counts stay those of every
-        window pushed so far (the open windows sit on nodes this output counts in, never removed)."""
+    def _absorb(self, limit: int) -> None:
+        """Index up to `limit` pending finished outputs in the global index, oldest first."""
         with self._lock:
-            while tokens > 0:
-                if self._absorbing is None:
-                    if not self._pending:
-                        return
-                    self._absorbing = _Absorption(*self._pending.popitem(last=False))
-                a = self._absorbing
-                start = a.pos
-                end = min(len(a.output), start + tokens)
-                for i in range(start, end):  # compressed nodes show a continuation: only what is in
-                    a.grown.append(a.output[i])
-                    a.windows = self._global.push(a.grown, i, a.windows)
-                tokens -= end - start
-                if a.pos == len(a.output):
-                    self._cached[a.request_id] = a.output
-                    self._absorbing = None
-
-    def _drop_absorbing(self) -> None:
-        """Take the output being indexed back out of the global index (the lock held)."""
-        a = self._absorbing
-        assert a is not None
-        self._global.remove(a.grown)
-        self._absorbing = None
+            for _ in range(min(limit, len(self._pending))):
+                request_id, output = self._pending.popitem(last=False)
+                self._global.add(output)
+                self._cached[request_id] = output
 
     def _evict(self) -> None:
-        """At most `max_cached_requests` outputs kept, indexed, being indexed or pending: the oldest
-        go first (indexed ones, then the one being indexed, then those waiting)."""
-        while len(self._cached) + len(self._pending) + (self._absorbing is not None) > self.config.max_cached_requests:
+        """At most `max_cached_requests` outputs kept, indexed or pending: the oldest go first."""
+        while len(self._cached) + len(self._pending) > self.config.max_cached_requests:
             if self._cached:
                 _, evicted = self._cached.popitem(last=False)
                 self._global.remove(evicted)
-            elif self._absorbing is not None:
-                self._drop_absorbing()
             else:
                 self._pending.popitem(last=False)
 
@@ -361,7 +315,7 @@ class SuffixDrafter(Drafter):
     def num_cached_requests(self) -> int:
         """Finished outputs kept for drafting (indexed, or waiting for the next proposal)."""
         with self._lock:
-            return len(self._cached) + len(self._pending) + (self._absorbing is not None)
+            return len(self._cached) + len(self._pending)
 
     @property
     def num_tracked_requests(self) -> int:
@@ -378,7 +332,7 @@ class SuffixDrafter(Drafter):
             return EMPTY_TREE
         own = self._speculate(self._request_index(view.request_id, tokens).trie, tokens, budget)
         with self._lock:
-            other = self._speculate(self._global, tokens, budget) if self._cached or self._absorbing else None
+            other = self._speculate(self._global, tokens, budget) if self._cached else None
         best = own if other is None or (own is not None and own.score >= other.score) else other
         if best is None:
             return EMPTY_TREE
