@@ -19,6 +19,29 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars (generation, trainin
 
 from specserve.speculation.controller import FixedController, Selection  # noqa: E402 - after the env var
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_device() -> Any:
+    """SPECSERVE_TEST_DEVICE=cuda runs every engine the tests build (that names no device) on that
+    device, module fixtures included: the same properties checked on the GPU path. CI leaves it
+    unset (the CPU)."""
+    device = os.environ.get("SPECSERVE_TEST_DEVICE")
+    if not device:
+        yield
+        return
+    from specserve.entrypoints.llm import LLM
+    from specserve.model.loader import DEFAULT_MODEL
+
+    original = LLM.__init__
+
+    def on_device(self: Any, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        options.setdefault("device", device)
+        original(self, model, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LLM, "__init__", on_device)
+        yield
+
 BYTE_VOCAB = 258  # <s>, </s>, then one token per byte
 EOS_ID = 1
 CHAT_TEMPLATE = (

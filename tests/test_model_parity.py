@@ -27,7 +27,8 @@ def hf_model(path: Path) -> torch.nn.Module:
 
 
 def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
-    """Logits at every position, computed through the engine's paged path `chunk` tokens at a time."""
+    """Logits at every position, computed through the engine's paged path `chunk` tokens at a time
+    (returned on the CPU, beside the reference, whatever device the engine runs on)."""
     engine = llm.engine
     seq = Sequence("probe", list(ids), SamplingParams(), 0.0, max_total_len=len(ids) + 1)
     assert engine.blocks.allocate(seq, len(ids))
@@ -38,7 +39,7 @@ def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
         rows.append(logits)
         seq.num_computed_tokens = start + n
     engine.blocks.free(seq)
-    return torch.cat(rows)
+    return torch.cat(rows).cpu()
 
 
 @pytest.mark.parametrize(

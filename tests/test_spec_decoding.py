@@ -72,7 +72,7 @@ def test_greedy_speculation_matches_plain_decoding(
 @pytest.fixture(scope="module")
 def plain_int4_outputs(tiny_llama: Path) -> list[list[int]]:
     # the same chunking as below: int4 prefills of 64+ rows take a float GEMM, equal only up to rounding
-    llm = LLM(str(tiny_llama), quantization="int4", max_num_batched_tokens=24)
+    llm = LLM(str(tiny_llama), quantization="int4", max_num_batched_tokens=24, device="cpu")  # the CPU's native path
     return [o.token_ids for o in llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)]
 
 
@@ -83,7 +83,7 @@ def test_greedy_speculation_matches_plain_decoding_on_the_int4_native_path(
     """With int4 weights, decode and verification steps run every layer in one native call (trees
     through the native attention's ancestor masks): still token for token plain decoding."""
     llm = LLM(str(tiny_llama), speculative=spec_configs(tiny_llama, draft_dir)[name], quantization="int4",
-              max_num_batched_tokens=24)
+              max_num_batched_tokens=24, device="cpu")
     assert llm.engine.model._native(llm.engine.runner.kv_cache, torch.zeros(1, 64)) is not None
     outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain_int4_outputs
