@@ -44,6 +44,18 @@ def test_blocks_dequantize_exactly_as_gguf_py(qtype: Q) -> None:
     assert torch.equal(torch.ops.specserve.gguf_embedding(ids, blocks, int(qtype), 512), out[ids])
 
 
+def test_q5_0_is_computed_as_the_q8_0_blocks_that_hold_its_numbers_exactly() -> None:
+    """Q5_0 has no kernel of its own: the loader converts it to Q8_0 with the same scale, and the
+    numbers must be the file's exactly (every bit pattern of the high bits and nibbles)."""
+    from specserve.model.gguf_file import q5_0_as_q8_0
+
+    raw = random_blocks(Q.Q5_0, 24, 512, np.random.default_rng(3))
+    q8 = q5_0_as_q8_0(raw)
+    assert q8.shape == (24, 512 // 32 * GGML_QUANT_SIZES[Q.Q8_0][1])
+    out = torch.ops.specserve.gguf_dequantize(torch.from_numpy(q8), int(Q.Q8_0), 512)
+    assert torch.equal(out, torch.from_numpy(dequantize(raw, Q.Q5_0).astype(np.float32)))
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32], ids=lambda t: t.name)
 def test_float_tensors_dequantize_exactly(qtype: Q) -> None:
     x = torch.randn(5, 64)
@@ -222,6 +234,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("gguf")
     return {
         "qwen2": write_model(d / "qwen2.gguf", "qwen2"),
+        # Q5_0 where a Q4_K_M file puts it (rows not whole super-blocks: Qwen2.5-0.5B's 896-wide
+        # tensors and its embedding), tied as the 0.5B's head is
+        "qwen2-q5_0": write_model(d / "qwen2-q5_0.gguf", "qwen2", tie=True, seed=2,
+                                  types={"attn_k": Q.Q5_0, "ffn_gate": Q.Q5_0, "token_embd": Q.Q5_0}),
         "llama": write_model(d / "llama.gguf", "llama", tie=True, seed=1,
                              types={"attn_q": Q.Q5_K, "attn_k": Q.Q8_0, "ffn_up": Q.Q4_0, "ffn_gate": Q.Q4_1,
                                     "token_embd": Q.Q6_K}),
@@ -267,7 +283,7 @@ class _RoundedDense(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2-q5_0"])
 def test_a_model_on_its_blocks_computes_what_its_dequantized_weights_compute(files: dict[str, Path], arch: str,
                                                                               layout: str) -> None:
     """The same file run on its blocks (gguf) and dequantized to float32 (none), the float model's
@@ -336,7 +352,8 @@ def test_greedy_speculation_on_a_k_quant_model_is_plain_decoding(
     """Every drafter, grants shuffled step by step, chunked prefill: the plain greedy tokens."""
     spec: dict = dict(method=method, num_tokens=4, controller="fixed")
     if method == "draft-model":
-        spec["draft_model"] = str(files["llama"])  # another model with the same vocabulary: mostly rejected
+        # another model with the same vocabulary (mostly rejected), with Q5_0 tensors as Qwen2.5-0.5B's
+        spec["draft_model"] = str(files["qwen2-q5_0"])
     if method == "layer-skip":
         spec["draft_layers"] = 1
     if method == "eagle":

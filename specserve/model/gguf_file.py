@@ -36,7 +36,12 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 # The types this package computes with: integer kernels for the quantized ones, float for the rest.
 QUANTIZED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 FLOAT = frozenset({"F32", "F16", "BF16"})
-SUPPORTED = QUANTIZED | FLOAT
+# Types computed as another type that holds their numbers exactly (a copy made at load; nothing is
+# rounded again): Q5_0's d * (q - 16), q in [0, 31], is Q8_0's d * q' with q' = q - 16 and the same
+# d. llama.cpp's k-quant mixes store tensors whose rows are not whole 256-element super-blocks as
+# Q5_0 (all of Qwen2.5-0.5B's 896-wide projections and its embedding in a Q4_K_M file).
+CONVERTED = {"Q5_0": "Q8_0"}
+SUPPORTED = QUANTIZED | FLOAT | frozenset(CONVERTED)
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -203,6 +208,17 @@ class GGUFFile:
         view = self._array[t.offset:t.offset + t.nbytes].reshape(t.rows, row_bytes)
         return torch.from_numpy(view)
 
+    def blocks(self, name: str) -> tuple[torch.Tensor, int]:
+        """A quantized tensor as blocks a kernel computes with, and their type id: the mapping's
+        own bytes (a view) for the QUANTIZED types, an exact conversion (a copy) for CONVERTED."""
+        t = self.tensor(name)
+        if t.type_name not in CONVERTED:
+            return self.data(name, QUANTIZED), t.type_id
+        raw = self.data(name, SUPPORTED).numpy()
+        assert t.type_name == "Q5_0" and CONVERTED["Q5_0"] == "Q8_0"
+        return torch.from_numpy(q5_0_as_q8_0(raw)), 8
+
+
     def release(self, name: str, row0: int = 0, row1: int | None = None) -> None:
         """Drop this process's copies of a tensor's pages (the whole pages inside its rows
         [row0, row1), all by default), once what was made from them no longer reads them: they leave
@@ -224,3 +240,23 @@ class GGUFFile:
         t = self.tensor(name)
         blocks = self.data(name)
         return torch.ops.specserve.gguf_dequantize(blocks, t.type_id, t.cols).reshape(t.shape).clone()
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """uint8 [rows, 22 * n] Q5_0 blocks -> uint8 [rows, 34 * n] Q8_0 blocks with the same numbers.
+
+    Q5_0 (ggml's block_q5_0): fp16 d, 32 high bits qh (little-endian), 16 bytes of low nibbles qs;
+    element j < 16 is (qs[j] & 15 | bit j of qh << 4) - 16, element j + 16 is (qs[j] >> 4 | bit
+    j + 16 of qh << 4) - 16, each times d. Q8_0: fp16 d, then the 32 int8 elements."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 22)
+    qh = b[..., 2:6].copy().view("<u4").astype(np.uint32)  # [rows, n, 1]
+    qs = b[..., 6:22]
+    j = np.arange(16, dtype=np.uint32)
+    lo = (qs & 0x0F) | (((qh >> j) & 1) << 4).astype(np.uint8)
+    hi = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
+    out = np.empty((rows, b.shape[1], 34), dtype=np.uint8)
+    out[..., 0:2] = b[..., 0:2]
+    out[..., 2:18] = (lo.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    out[..., 18:34] = (hi.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)

@@ -1,7 +1,8 @@
 """A GGUF model run on its own blocks (`--quantization gguf`, what `auto` picks for a GGUF on the CPU).
 
 Nothing is dequantized and requantized: every projection multiplies the file's tensors as they
-are (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1; a fused q/k/v or gate/up keeps each part's own type),
+are (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, and Q5_0 as the Q8_0 blocks that hold its numbers exactly;
+a fused q/k/v or gate/up keeps each part's own type),
 the embedding dequantizes only the rows it looks up, and the LM head is the file's output tensor
 (or the embedding's, when tied). Weights stay in the file's mapping; only norms and biases are
 copied out. Llama-architecture files store Q and K rows permuted for llama.cpp's rotary layout:
@@ -24,7 +25,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.isa import cache_root
-from specserve.model.gguf_file import GGUFError, GGUFFile, QUANTIZED, StringArray
+from specserve.model.gguf_file import CONVERTED, QUANTIZED, GGUFError, GGUFFile, StringArray
 from specserve.model.quant import KernelFactory, gguf_candidates
 
 logger = logging.getLogger("specserve.model")
@@ -153,17 +154,23 @@ def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: 
     def floats(name: str) -> nn.Parameter:
         return nn.Parameter(g.floats(name).to(cpu), requires_grad=False)
 
+    converted: dict[str, tuple[torch.Tensor, int]] = {}  # one copy of a CONVERTED tensor (a tied head shares it)
+
     def blocks(name: str) -> tuple[torch.Tensor, int]:
-        t = g.tensor(name)
-        data = g.data(name, QUANTIZED)
+        if g.tensor(name).type_name in CONVERTED:
+            if name not in converted:
+                converted[name] = g.blocks(name)
+            data, type_id = converted[name]
+        else:
+            data, type_id = g.blocks(name)
         layer, _, short = name.partition(".weight")[0].rpartition(".")
         if cfg.model_type == "llama" and short in ("attn_q", "attn_k"):
             data = _unpermute_rows(data, cfg.num_heads if short == "attn_q" else cfg.num_kv_heads).contiguous()
-        return data, t.type_id
+        return data, type_id
 
     embed = g.tensor("token_embd.weight")
-    if embed.type_name in QUANTIZED:
-        net.embed_tokens = GGUFEmbedding(g.data("token_embd.weight", QUANTIZED), embed.type_id, cfg.hidden_size)
+    if embed.type_name in QUANTIZED or embed.type_name in CONVERTED:
+        net.embed_tokens = GGUFEmbedding(*blocks("token_embd.weight"), cfg.hidden_size)
     else:
         net.embed_tokens = nn.Embedding.from_pretrained(g.floats("token_embd.weight"), freeze=True)
     net.norm.weight = floats("output_norm.weight")
