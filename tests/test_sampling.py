@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.speculation.sampler import Sampler, apply_filters, apply_penalties
+from specserve.speculation.sampler import Sampler, apply_filters, apply_penalties, row_argmax, row_topk_ids
 from specserve.engine.sequence import Sequence
 from specserve.sampling_params import SamplingParams
 
@@ -164,3 +164,30 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
         SamplingParams(**kwargs)
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}:")
+
+
+def test_row_argmax_is_torch_argmax_ties_and_nan_included() -> None:
+    """Greedy choices and exponential races all go through row_argmax (numpy's on the CPU): the
+    first of tied maxima, a NaN counted as the largest, exactly as torch.argmax picks."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 49152, generator=g)
+    x[1, [7, 900, 40000]] = 9.0  # ties: the first wins
+    x[2] = float("-inf")  # a row masked whole
+    x[3, 5] = float("nan")
+    x[4] = torch.round(x[4])  # many ties at the top
+    x[5, -1] = float("inf")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x[:, ::2]), x[:, ::2].argmax(dim=-1))  # a strided view
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 258])
+def test_row_topk_ids_are_topks(vocab: int) -> None:
+    """The two-stage top-k recycling learns from gives torch.topk's indices, largest first, also
+    when the largest values crowd into one chunk or a row is mostly masked."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, vocab, generator=g)
+    x[1, 128:136] += 50.0  # all of the top 8 in one chunk of 64
+    x[2, : vocab - 20] = float("-inf")  # only 20 tokens allowed
+    x[3, ::64] += 10.0  # the top 8 in 8 different chunks, among many chunk maxima close to them
+    for k in (1, 8):
+        assert torch.equal(row_topk_ids(x, k), x.topk(k, dim=-1).indices)

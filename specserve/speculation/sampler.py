@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specserve.outputs import TokenLogprob
@@ -74,6 +75,33 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     errors: list[str | None]  # per row: why no token could be drawn (the row's token id is then meaningless)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first where several tie (NaN counts as largest),
+    as torch.argmax. Every greedy choice and every exponential race goes through here, so plain
+    decoding, verification and seeded draws pick alike. On the CPU numpy's vectorized argmax: ATen's
+    keeps an index per element and took 190 us for 8 rows of a 49k vocabulary, a twelfth of a small
+    model's batch-8 step (numpy: 25 us)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+    return x.argmax(dim=-1)
+
+
+def row_topk_ids(x: torch.Tensor, k: int, chunk: int = 64) -> torch.Tensor:
+    """Each row's `k` largest values' indices, largest first (as torch.topk's), found in two
+    stages: the k chunks of `chunk` columns with the largest maxima hold the k largest values (a
+    chunk holding one of them has a maximum at least that value, and fewer than k chunks have a
+    larger one), then a top-k over those k * chunk candidates. 79 us against topk's 257 for 8
+    rows of 49k; whole rows where the shape does not split."""
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab % chunk or k * chunk * 4 > vocab:
+        return x.topk(min(k, vocab), dim=-1).indices
+    blocks = x.reshape(rows, vocab // chunk, chunk)
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [rows, k] chunk numbers
+    cand = blocks.gather(1, best[:, :, None].expand(rows, k, chunk)).reshape(rows, k * chunk)
+    j = cand.topk(k, dim=-1).indices
+    return best.gather(1, j // chunk) * chunk + j % chunk
 
 
 def row_errors(processed: torch.Tensor, params: list[SamplingParams]) -> list[str | None]:
@@ -216,12 +244,12 @@ class Sampler:
             processed = torch.where(ok[:, None], processed, torch.zeros_like(processed))
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         if bool(greedy.all()):
-            tokens = processed.argmax(dim=-1)
+            tokens = row_argmax(processed)
         else:
             probs = processed.softmax(dim=-1)
             noise = self._exponential_noise(seqs, probs.shape[1])
-            sampled = (probs / noise).argmax(dim=-1)
-            tokens = torch.where(greedy, processed.argmax(dim=-1), sampled)
+            sampled = row_argmax(probs / noise)
+            tokens = torch.where(greedy, row_argmax(processed), sampled)
         token_list = tokens.tolist()
         if raw_logprobs is not None and any(errors):
             raw_logprobs = torch.nan_to_num(raw_logprobs)

@@ -31,7 +31,7 @@ from specserve.speculation.controller import AcceptanceModel, Candidate, Control
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
 from specserve.speculation.grammar import extend_forced, prune
 from specserve.speculation.guard import GoodputGuard, Mode
-from specserve.speculation.sampler import Sampler, SamplingRow
+from specserve.speculation.sampler import Sampler, SamplingRow, row_topk_ids
 from specserve.speculation.tree import EMPTY_TREE, DraftTree, replay
 from specserve.speculation.verifier import Verdict, Verifier, failed
 from specserve.structured import TokenGrammar
@@ -424,7 +424,10 @@ class Speculator:
         verdicts: dict[int, Verdict] = {}
         plain = [it for it in items if it.index not in drafts]
         if plain:
-            plain_logits = logits[[it.rows[0] for it in plain]]
+            first = [it.rows[0] for it in plain]
+            # rows in one run (a batch of decodes without drafts): a view; else a copy of those rows
+            plain_logits = (logits[first[0] : first[0] + len(first)] if first == list(range(first[0], first[0] + len(first)))
+                            else logits.index_select(0, torch.tensor(first, device=logits.device)))
             verdicts.update(zip((it.index for it in plain), self._sample(plain_logits, [it.row for it in plain])))
         for it in items:
             tree = drafts.get(it.index)
@@ -493,7 +496,7 @@ class Speculator:
         k = max((self.drafters[name].target_topk for name in learners), default=0)
         if k <= 0 or not items:
             return
-        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices.cpu()
+        top = row_topk_ids(logits, k).cpu()
         for it in items:
             start, count = it.rows
             r = self._step.row(it.index)

@@ -37,7 +37,14 @@ import torch
 
 from specserve.outputs import TokenLogprob
 from specserve.speculation.grammar import masks
-from specserve.speculation.sampler import Sampler, SamplingRow, position_noise, row_errors, token_logprobs
+from specserve.speculation.sampler import (
+    Sampler,
+    SamplingRow,
+    position_noise,
+    row_argmax,
+    row_errors,
+    token_logprobs,
+)
 from specserve.speculation.tree import DraftTree
 from specserve.structured import apply_bitmask
 
@@ -79,7 +86,7 @@ class Verifier:
         for i, p in enumerate(tree.parents):
             children.setdefault(p, []).append(i)
         if params.greedy:
-            accepted, bonus = self._greedy(tree, children, processed.argmax(dim=-1).tolist())
+            accepted, bonus = self._greedy(tree, children, row_argmax(processed).tolist())
         elif params.seed is not None:
             # Row r is drawn at output position len(output) + depth(r): the root's row at depth 0.
             start = len(seq.output_token_ids)
@@ -87,7 +94,7 @@ class Verifier:
             noise = torch.stack([
                 position_noise(params.seed, start + d, vocab, processed.device) for d in [0] + tree.depths()
             ])
-            picks = (processed.softmax(dim=-1) / noise).argmax(dim=-1).tolist()
+            picks = row_argmax(processed.softmax(dim=-1) / noise).tolist()
             accepted, bonus = self._greedy(tree, children, picks)
         else:
             accepted, bonus = self._sample(tree, children, processed.softmax(dim=-1), self.generator)
