@@ -116,8 +116,16 @@ def test_a_latency_target_bounds_every_requests_time_per_token() -> None:
         assert worst_tpot(ctl, sel) <= bound + 1e-12
         assert 0 < sum(sel.counts) < sum(free.counts)  # nearly free rows are still used, the rest cut
         assert sel.expected_tokens > rows
+    for slack in (0.0, 0.25):  # a bound relative to the plain step alone
+        ctl = GoodputController(StepCostModel(ForwardProfile(rising)), latency_slack=slack)
+        sel = ctl.select(StepShape(rows), rows, likely)
+        plain = ctl.predict(StepShape(rows))
+        assert worst_tpot(ctl, sel) <= plain * (1 + slack) + 1e-12
+        assert 0 < sum(sel.counts) < sum(free.counts)
     with pytest.raises(ValueError, match="spec_latency_slo"):
         GoodputController(StepCostModel(ForwardProfile(rising)), latency_slo=0.0)
+    with pytest.raises(ValueError, match="spec_latency_slack"):
+        GoodputController(StepCostModel(ForwardProfile(rising)), latency_slack=-0.1)
 
 
 def test_the_cost_model_learns_step_time_from_the_steps() -> None:

@@ -125,7 +125,8 @@ def build_speculator(
         logger.info("forward time by tokens: %s; attention %.2f us per token of context",
                     {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, attended * 1e6)
         slo = None if spec.latency_slo_ms is None else spec.latency_slo_ms / 1000.0
-        controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended), latency_slo=slo)
+        controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended), latency_slo=slo,
+                                       latency_slack=spec.latency_slack)
         guard = GoodputGuard()
     return Speculator(drafters, sampler, verifier, spec.num_tokens, controller, guard=guard)
 

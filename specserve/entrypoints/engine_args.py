@@ -135,6 +135,9 @@ class EngineArgs:
                        help="inter-token latency (ms) drafts may take any request to (default: none; "
                             "throughput decides): a step's drafts are cut until every request's expected "
                             "time per token is within it, or within plain decoding's where that misses it")
+        s.add_argument("--spec-latency-slack", type=float, default=spec.latency_slack, metavar="F",
+                       help="how much longer than a plain step drafts may make any request's expected time "
+                            "per token (0.25: 25%%; default: no such bound)")
 
     @classmethod
     def from_cli(cls, a: argparse.Namespace) -> "EngineArgs":
@@ -147,7 +150,8 @@ class EngineArgs:
             seed=a.engine_seed, threads=a.threads,
             speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
                                           width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
-                                          draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo),
+                                          draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo,
+                                          latency_slack=a.spec_latency_slack),
         )
 
     # -- what it builds ---------------------------------------------------------------------------

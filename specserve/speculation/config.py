@@ -32,6 +32,9 @@ class SpeculativeConfig:
         any request to: a step's drafts are cut until every request's expected time per token is
         within it (or within the plain step's time, where plain decoding already misses it); None:
         throughput alone decides
+    latency_slack: with the goodput controller, how much longer than the plain step a request's
+        expected time per token may be made (0.25: 25%); with latency_slo_ms too, the larger bound
+        holds. None: no bound relative to the plain step (beyond latency_slo_ms's)
     """
 
     method: str = "none"
@@ -42,6 +45,7 @@ class SpeculativeConfig:
     draft_layers: int | None = None
     draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
     latency_slo_ms: float | None = None
+    latency_slack: float | None = None
 
     def __post_init__(self) -> None:
         for part in self.methods:
@@ -62,6 +66,8 @@ class SpeculativeConfig:
             raise ValueError(f"spec_width: only the ngram drafter takes a width, got {self.width} for {self.method!r}")
         if self.latency_slo_ms is not None and not self.latency_slo_ms > 0:
             raise ValueError(f"spec_latency_slo: must be > 0 ms, got {self.latency_slo_ms}")
+        if self.latency_slack is not None and not self.latency_slack >= 0:
+            raise ValueError(f"spec_latency_slack: must be >= 0, got {self.latency_slack}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers: must be >= 1, got {self.draft_layers}")
 

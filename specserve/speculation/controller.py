@@ -294,9 +294,12 @@ class GoodputController:
     always rejected. At 5% such a node would add at most 0.05 expected tokens."""
 
     def __init__(self, cost: StepCostModel, max_iterations: int = 8, latency_slo: float | None = None,
-                 min_value: float = 0.05) -> None:
+                 min_value: float = 0.05, latency_slack: float | None = None) -> None:
         if latency_slo is not None and latency_slo <= 0:
             raise ValueError(f"spec_latency_slo: must be > 0 seconds per token, got {latency_slo}")
+        if latency_slack is not None and latency_slack < 0:
+            raise ValueError(f"spec_latency_slack: must be >= 0, got {latency_slack}")
+        self.latency_slack = latency_slack
         if not 0.0 <= min_value < 1.0:
             raise ValueError(f"controller min_value: must be in [0, 1), got {min_value}")
         self.min_value = min_value
@@ -332,7 +335,7 @@ class GoodputController:
             if trial.expected_tokens / trial.seconds <= g:
                 break
             best = trial
-        if self.latency_slo is not None:
+        if self.latency_slo is not None or self.latency_slack is not None:
             best = self._within_latency(base, sampling_rows, candidates, best, base_seconds)
         return best
 
@@ -340,9 +343,8 @@ class GoodputController:
                         plain_seconds: float) -> Selection:
         """`sel` with nodes taken back (each time the last node of the request whose last node is
         worth least per second it adds) until every request's expected seconds per token is within
-        max(latency_slo, plain_seconds)."""
-        assert self.latency_slo is not None
-        bound = max(self.latency_slo, plain_seconds)
+        max(latency_slo, plain_seconds x (1 + latency_slack))."""
+        bound = max(self.latency_slo or 0.0, plain_seconds * (1.0 + (self.latency_slack or 0.0)))
         counts = list(sel.counts)
         while sum(counts):
             drafting = [i for i, k in enumerate(counts) if k]
