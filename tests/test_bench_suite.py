@@ -628,6 +628,12 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
     ngram_rows = [r for r in data["rows"] if r["config"] == "ngram"]
     assert all(r["spec_draft_tokens"] == 0 and r["spec_acceptance_rate"] is None for r in none_rows)
     assert all(r["spec_steps"] > 0 and r["spec_mean_accepted_length"] >= 1.0 for r in ngram_rows)
+    # each request's own figures, with usage's draft counts: they add up to the server's counters
+    for r in data["rows"]:
+        assert len(r["requests"]) == 6 and all(q["ok"] and q["output_tokens"] == 12 for q in r["requests"])
+        assert max(q["tpot_ms"] for q in r["requests"]) == pytest.approx(r["p99_tpot_ms"], rel=0.05)
+        assert sum(q["accepted_drafts"] for q in r["requests"]) == (r["spec_accepted_tokens"] or 0)
+        assert sum(q["accepted_drafts"] + q["rejected_drafts"] for q in r["requests"]) == r["spec_draft_tokens"]
     assert data["configs"][1]["serve_args"][-4:] == ["--spec", "ngram", "--spec-tokens", "3"]
     assert data["command"].startswith("specserve bench serve --launch") and data["environment"]["packages"]
     assert data["threads"] == 1  # the servers' --threads, not the load generator's

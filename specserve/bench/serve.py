@@ -190,6 +190,8 @@ class RequestResult:
     itl_s: tuple[float, ...] = ()
     error: str = ""
     sent_s: float = 0.0  # when it was sent, seconds after the run's start
+    accepted_drafts: int | None = None  # usage's accepted/rejected prediction tokens, where the server gives them
+    rejected_drafts: int | None = None
 
     @property
     def tpot_s(self) -> float:
@@ -197,6 +199,18 @@ class RequestResult:
         if self.output_tokens <= 1:
             return 0.0
         return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def record(self) -> dict[str, Any]:
+        """The request's own figures for a JSON report (milliseconds): to find which requests make
+        a percentile, and what speculation did for them."""
+        out: dict[str, Any] = {"sent_s": round(self.sent_s, 3), "ok": self.ok, "prompt_tokens": self.prompt_len,
+                               "output_tokens": self.output_tokens, "ttft_ms": round(self.ttft_s * 1e3, 1),
+                               "tpot_ms": round(self.tpot_s * 1e3, 2), "e2el_ms": round(self.e2el_s * 1e3, 1)}
+        if self.accepted_drafts is not None:
+            out.update(accepted_drafts=self.accepted_drafts, rejected_drafts=self.rejected_drafts)
+        if self.error:
+            out["error"] = self.error
+        return out
 
 
 class StreamingCompletion:
@@ -255,8 +269,11 @@ class StreamingCompletion:
         else:
             tokens = len(chunk_times)
         itl = tuple(b - a for a, b in itertools.pairwise(chunk_times))
+        details = usage.get("completion_tokens_details") or {}
+        accepted, rejected = details.get("accepted_prediction_tokens"), details.get("rejected_prediction_tokens")
         return RequestResult(True, tokens, int(usage.get("prompt_tokens") or prompt_len), chunk_times[0] - start,
-                             end - start, itl)
+                             end - start, itl, accepted_drafts=None if accepted is None else int(accepted),
+                             rejected_drafts=None if rejected is None else int(rejected))
 
 
 # --------------------------------------------------------------------------------------------- metrics

@@ -99,7 +99,7 @@ class SweepPoint:
     def row(self, load: LoadConfig, num_prompts: int) -> dict[str, object]:
         return {"config": self.config, "request_rate": self.rate, "burstiness": load.arrivals.burstiness,
                 "max_concurrency": load.max_concurrency, "num_prompts": num_prompts, **self.run.row(),
-                "server_command": self.server_command}
+                "server_command": self.server_command, "requests": [r.record() for r in self.run.results]}
 
 
 class Sweep:
