@@ -140,7 +140,7 @@ class ShuffledGrants(FixedController):
 
         self.rng = random.Random(seed)
 
-    def select(self, base: Any, sampling_rows: int, candidates: list) -> Any:
+    def select(self, base: Any, sampling_rows: int, candidates: list, behind_plain: bool = False) -> Any:
         counts = tuple(self.rng.randint(0, len(c.values)) for c in candidates)
         return Selection(counts, float(sampling_rows), float("nan"), 0.0)
 

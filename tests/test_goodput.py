@@ -128,6 +128,29 @@ def test_a_latency_target_bounds_every_requests_time_per_token() -> None:
         GoodputController(StepCostModel(ForwardProfile(rising)), latency_slack=-0.1)
 
 
+def test_the_pace_bound_protects_requests_behind_plain_decoding_and_only_them() -> None:
+    """Four requests whose drafts are likely and one behind plain decoding's pace whose drafts
+    fail: throughput alone verifies long trees for the four, and the fifth pays for that step with
+    one token. With the pace bound the step is cut until the request behind expects its token
+    within (1 + slack) plain steps; with nobody behind, the bound changes nothing."""
+    rising = {1: 0.010, 16: 0.010, 64: 0.012, 128: 0.030, 256: 0.060}
+    likely = [Candidate(tuple(0.95 ** (j + 1) for j in range(30)))] * 4
+    failing = Candidate((0.01,) * 4, behind=True)
+    rows = 5
+    free = GoodputController(StepCostModel(ForwardProfile(rising)))
+    paced = GoodputController(StepCostModel(ForwardProfile(rising)), pace_slack=0.1)
+    plain = paced.predict(StepShape(rows))
+    wide = free.select(StepShape(rows), rows, likely + [failing])
+    assert wide.seconds > 1.1 * plain  # the one behind would get a token in a long step
+    sel = paced.select(StepShape(rows), rows, likely + [failing])
+    assert sel.seconds <= 1.1 * plain + 1e-12 and 0 < sum(sel.counts) < sum(wide.counts)
+    assert paced.select(StepShape(rows), rows, likely, behind_plain=True).seconds <= 1.1 * plain + 1e-12
+    on_pace = [likely[0], likely[1], likely[2], likely[3], Candidate((0.01,) * 4)]
+    assert paced.select(StepShape(rows), rows, on_pace).counts == free.select(StepShape(rows), rows, on_pace).counts
+    with pytest.raises(ValueError, match="spec_pace_slack"):
+        GoodputController(StepCostModel(ForwardProfile(rising)), pace_slack=-1.0)
+
+
 def test_the_cost_model_learns_step_time_from_the_steps() -> None:
     """Steps that cost 1.3x the probe plus 3 ms per tree and 1 ms of fixed overhead: after a few
     hundred steps the model predicts new shapes within a few percent and knows the tree cost."""

@@ -126,7 +126,7 @@ def build_speculator(
                     {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, attended * 1e6)
         slo = None if spec.latency_slo_ms is None else spec.latency_slo_ms / 1000.0
         controller = GoodputController(StepCostModel(ForwardProfile(seconds), per_attended=attended), latency_slo=slo,
-                                       latency_slack=spec.latency_slack)
+                                       latency_slack=spec.latency_slack, pace_slack=spec.pace_slack)
         guard = GoodputGuard()
     return Speculator(drafters, sampler, verifier, spec.num_tokens, controller, guard=guard)
 

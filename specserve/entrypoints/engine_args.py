@@ -29,6 +29,11 @@ def speculative_config(speculative: SpeculativeConfig | dict[str, Any] | str | N
     return SpeculativeConfig(**speculative)
 
 
+def _off_or_float(text: str) -> float | None:
+    """A command-line number, or None for "off"."""
+    return None if text.strip().lower() in ("off", "none") else float(text)
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything that shapes an engine, with the defaults of `specserve generate/serve`.
@@ -138,6 +143,9 @@ class EngineArgs:
         s.add_argument("--spec-latency-slack", type=float, default=spec.latency_slack, metavar="F",
                        help="how much longer than a plain step drafts may make any request's expected time "
                             "per token (0.25: 25%%; default: no such bound)")
+        s.add_argument("--spec-pace-slack", type=_off_or_float, default=spec.pace_slack, metavar="F|off",
+                       help="protect requests behind plain decoding's pace: while one is in the batch, drafts are "
+                            f"cut until it expects its tokens within (1 + F) x a plain step (default: {spec.pace_slack})")
 
     @classmethod
     def from_cli(cls, a: argparse.Namespace) -> "EngineArgs":
@@ -151,7 +159,7 @@ class EngineArgs:
             speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
                                           width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
                                           draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo,
-                                          latency_slack=a.spec_latency_slack),
+                                          latency_slack=a.spec_latency_slack, pace_slack=a.spec_pace_slack),
         )
 
     # -- what it builds ---------------------------------------------------------------------------

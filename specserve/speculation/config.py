@@ -35,6 +35,10 @@ class SpeculativeConfig:
     latency_slack: with the goodput controller, how much longer than the plain step a request's
         expected time per token may be made (0.25: 25%); with latency_slo_ms too, the larger bound
         holds. None: no bound relative to the plain step (beyond latency_slo_ms's)
+    pace_slack: with the goodput controller, protect requests behind plain decoding's pace (their
+        tokens so far slower than plain steps would have given them): while one is in the batch, a
+        step's drafts are cut until it expects its tokens within (1 + F) x the plain step's time.
+        None: off. Default 0.5, from a served ShareGPT sweep (BENCHMARKS.md, session 9)
     """
 
     method: str = "none"
@@ -46,6 +50,7 @@ class SpeculativeConfig:
     draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
     latency_slo_ms: float | None = None
     latency_slack: float | None = None
+    pace_slack: float | None = 0.5
 
     def __post_init__(self) -> None:
         for part in self.methods:
@@ -68,6 +73,8 @@ class SpeculativeConfig:
             raise ValueError(f"spec_latency_slo: must be > 0 ms, got {self.latency_slo_ms}")
         if self.latency_slack is not None and not self.latency_slack >= 0:
             raise ValueError(f"spec_latency_slack: must be >= 0, got {self.latency_slack}")
+        if self.pace_slack is not None and not self.pace_slack >= 0:
+            raise ValueError(f"spec_pace_slack: must be >= 0, got {self.pace_slack}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers: must be >= 1, got {self.draft_layers}")
 

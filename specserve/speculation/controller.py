@@ -266,12 +266,14 @@ class Candidate:
     fixed_cost: float = 0.0
     node_cost: float = 0.0  # seconds each node adds beyond its forward token (a draft model's forward)
     context: int = 0  # tokens each node attends to (its request's context): its attention's cost
+    behind: bool = False  # its request is behind plain decoding's pace so far: the pace bound protects it
 
 
 class Controller(Protocol):
     """Chooses draft nodes across a step's batch, and learns from the step's measured time."""
 
-    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> "Selection": ...
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate],
+               behind_plain: bool = False) -> "Selection": ...
     def predict(self, shape: StepShape) -> float | None: ...
     def learn(self, shape: StepShape, seconds: float) -> None: ...
 
@@ -294,12 +296,16 @@ class GoodputController:
     always rejected. At 5% such a node would add at most 0.05 expected tokens."""
 
     def __init__(self, cost: StepCostModel, max_iterations: int = 8, latency_slo: float | None = None,
-                 min_value: float = 0.05, latency_slack: float | None = None) -> None:
+                 min_value: float = 0.05, latency_slack: float | None = None,
+                 pace_slack: float | None = None) -> None:
         if latency_slo is not None and latency_slo <= 0:
             raise ValueError(f"spec_latency_slo: must be > 0 seconds per token, got {latency_slo}")
         if latency_slack is not None and latency_slack < 0:
             raise ValueError(f"spec_latency_slack: must be >= 0, got {latency_slack}")
         self.latency_slack = latency_slack
+        if pace_slack is not None and pace_slack < 0:
+            raise ValueError(f"spec_pace_slack: must be >= 0, got {pace_slack}")
+        self.pace_slack = pace_slack
         if not 0.0 <= min_value < 1.0:
             raise ValueError(f"controller min_value: must be in [0, 1), got {min_value}")
         self.min_value = min_value
@@ -307,8 +313,11 @@ class GoodputController:
         self.max_iterations = max_iterations
         self.latency_slo = latency_slo
 
-    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> Selection:
-        """base: the step without drafts; sampling_rows: requests that emit a token this step."""
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate],
+               behind_plain: bool = False) -> Selection:
+        """base: the step without drafts; sampling_rows: requests that emit a token this step;
+        behind_plain: a request behind plain decoding's pace emits a token this step without
+        being a candidate (the pace bound then keeps the step within a plain one)."""
         best = self.evaluate(base, sampling_rows, candidates, [0] * len(candidates))
         per_tree = self.cost.per_tree()
         per_attended = self.cost.per_attended()
@@ -337,7 +346,32 @@ class GoodputController:
             best = trial
         if self.latency_slo is not None or self.latency_slack is not None:
             best = self._within_latency(base, sampling_rows, candidates, best, base_seconds)
+        if self.pace_slack is not None and (behind_plain or any(c.behind for c in candidates)):
+            best = self._within_pace(base, sampling_rows, candidates, best, base_seconds, behind_plain)
         return best
+
+    def _within_pace(self, base: StepShape, rows: int, candidates: list[Candidate], sel: Selection,
+                     plain_seconds: float, behind_plain: bool) -> Selection:
+        """`sel` with nodes taken back (least valuable first) until every request behind plain
+        decoding's pace expects its tokens this step within (1 + pace_slack) x the plain step's
+        time: a request whose drafts keep failing is not slowed further by the others' trees,
+        while the requests on pace keep their drafts."""
+        assert self.pace_slack is not None
+        bound = plain_seconds * (1.0 + self.pace_slack)
+        counts = list(sel.counts)
+        while sum(counts):
+            behind = [i for i, c in enumerate(candidates) if c.behind]
+            if behind_plain or any(counts[i] == 0 for i in behind):
+                least = 1.0
+            else:
+                least = min(1.0 + sum(candidates[i].values[:counts[i]]) for i in behind)
+            if sel.seconds / least <= bound:
+                break
+            drafting = [i for i, k in enumerate(counts) if k]
+            i = min(drafting, key=lambda i: candidates[i].values[counts[i] - 1])
+            counts[i] -= 1
+            sel = self.evaluate(base, rows, candidates, counts)
+        return sel
 
     def _within_latency(self, base: StepShape, rows: int, candidates: list[Candidate], sel: Selection,
                         plain_seconds: float) -> Selection:
@@ -381,7 +415,8 @@ class FixedController:
     """No selection: every request keeps all the nodes it was granted (the `--spec-controller
     fixed` baseline, and the reference the goodput controller is measured against)."""
 
-    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate]) -> Selection:
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate],
+               behind_plain: bool = False) -> Selection:
         counts = tuple(len(c.values) for c in candidates)
         accepted = sum(sum(c.values) for c in candidates)
         return Selection(counts, sampling_rows + accepted, math.nan, accepted)

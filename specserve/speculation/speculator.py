@@ -165,6 +165,7 @@ class _Step:
     grants: list[int] = field(default_factory=list)
     shape: StepShape | None = None
     predicted_seconds: float | None = None
+    plain_seconds: float | None = None  # the step's predicted time without drafts (the pace's yardstick)
     propose_seconds: float = 0.0
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     guard: tuple[tuple[int, int], Mode] | None = None  # the guard's bucket and its say, on decode-only steps
@@ -202,6 +203,8 @@ class Speculator:
         self.guard = guard  # None: the controller's word is final (fixed grants, tests)
         self._propose_cost: dict[str, float] = {}  # seconds per request (lookups) or per depth (models)
         self._since_draft: dict[str, int] = {}  # request -> steps since its last verified draft
+        # request -> [seconds of its steps, their plain predictions, steps, tokens emitted]
+        self._pace: dict[str, list[float]] = {}
         self._step = _Step()
         self._open = False  # between propose and observe
         self._active: dict[str, Drafter] = {}
@@ -228,6 +231,8 @@ class Speculator:
         step's shape without drafts; `sampling_rows` the items that emit a token."""
         self._step = _Step(shape=base, rows={d.index: _Row(view=d.request.view) for d in decodes})
         self._open = True
+        if self.enabled and decodes:
+            self._step.plain_seconds = self.controller.predict(base)
         if self.enabled and self.guard is not None and base.tokens == sampling_rows:  # decode-only
             key = self.guard.key(sampling_rows, base.attended)
             self._step.guard = (key, self.guard.mode(key, self._step_no))
@@ -277,16 +282,29 @@ class Speculator:
             values = tuple(chance * v for v in a.chain_values(o.name, o.rid, o.request.budget))
             cost = asking_all if self._asks_all(o.name) else self._propose_cost.get(o.name, 0.0)
             context = o.request.num_computed + 1
+            behind = self._behind(o.rid)
             if self._active[o.name].runs_a_model:
-                candidates.append(Candidate(values, node_cost=cost, context=context))
+                candidates.append(Candidate(values, node_cost=cost, context=context, behind=behind))
             else:
-                candidates.append(Candidate(values, fixed_cost=cost, context=context))
-        for o, count in zip(offers, self.controller.select(base, rows, candidates).counts):
+                candidates.append(Candidate(values, fixed_cost=cost, context=context, behind=behind))
+        asked = {o.decode.index for o in offers}
+        for o, count in zip(offers, self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             o.grant = count
             if count == 0 and self._exploring(o.rid, o.name):
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
                 o.grant = 1 if self._active[o.name].runs_a_model else o.request.budget
+
+    def _behind(self, request_id: str) -> bool:
+        """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
+        seconds per token emitted above their predicted plain seconds per step."""
+        pace = self._pace.get(request_id)
+        return pace is not None and pace[2] >= 2 and pace[0] * pace[2] > pace[1] * pace[3]
+
+    def _behind_outside(self, indices: set[int]) -> bool:
+        """Whether a decode of this step outside `indices` (no candidate of the selection) is behind."""
+        return any(r.view is not None and i not in indices and self._behind(r.view.request_id)
+                   for i, r in self._step.rows.items())
 
     def _exploring(self, request_id: str, name: str) -> bool:
         """Whether this step drafts for the request although the estimates say it does not pay:
@@ -388,9 +406,9 @@ class Speculator:
         # Highest value first; a child never beats its parent, so parents stay first.
         orders = [sorted(range(len(o.tree)), key=lambda n, v=v: (-v[n], n)) for o, v in zip(offers, values)]
         sel = self.controller.select(base, rows, [
-            Candidate(tuple(v[n] for n in order), context=o.request.num_computed + 1)
+            Candidate(tuple(v[n] for n in order), context=o.request.num_computed + 1, behind=self._behind(o.rid))
             for o, v, order in zip(offers, values, orders)
-        ])
+        ], self._behind_outside({o.decode.index for o in offers}))
         drafts: dict[int, DraftTree] = {}
         kept_tokens = 0
         attended = 0
@@ -556,6 +574,15 @@ class Speculator:
                     self._learn_forced(hits, hits + (hits < count))
                 if d is None and r.view is not None:  # forced nodes only: no drafter's
                     self._since_draft[r.view.request_id] = self._since_draft.get(r.view.request_id, 0) + 1
+        if step.plain_seconds is not None:
+            for r in step.rows.values():
+                rid = r.view.request_id if r.view is not None else r.plain_id
+                if rid is not None and r.ok:
+                    pace = self._pace.setdefault(rid, [0.0, 0.0, 0.0, 0.0])
+                    pace[0] += seconds
+                    pace[1] += step.plain_seconds
+                    pace[2] += 1
+                    pace[3] += len(r.verdict.tokens)  # type: ignore[union-attr]
         self._grants.update(step.grants)
         if step.guard is not None and self.guard is not None:
             drafted = any(r.drafted is not None or r.forced is not None for r in step.rows.values())
@@ -606,6 +633,7 @@ class Speculator:
     def _finish_now(self, request_id: str, view: RequestView) -> None:
         self.acceptance.forget(request_id)
         self._since_draft.pop(request_id, None)
+        self._pace.pop(request_id, None)
         for drafter in list(self.drafters.values()):
             try:
                 drafter.finish(request_id, view)
