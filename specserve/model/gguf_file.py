@@ -40,8 +40,8 @@ FLOAT = frozenset({"F32", "F16", "BF16"})
 # rounded again): Q5_0's d * (q - 16), q in [0, 31], is Q8_0's d * q' with q' = q - 16 and the same
 # d. llama.cpp's k-quant mixes store tensors whose rows are not whole 256-element super-blocks as
 # Q5_0 (all of Qwen2.5-0.5B's 896-wide projections and its embedding in a Q4_K_M file).
-CONVERTED = {"Q5_0": "Q8_0"}
-SUPPORTED = QUANTIZED | FLOAT | frozenset(CONVERTED)
+CONVERTED = frozenset({"Q5_0"})
+SUPPORTED = QUANTIZED | FLOAT | CONVERTED
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -212,12 +212,9 @@ class GGUFFile:
         """A quantized tensor as blocks a kernel computes with, and their type id: the mapping's
         own bytes (a view) for the QUANTIZED types, an exact conversion (a copy) for CONVERTED."""
         t = self.tensor(name)
-        if t.type_name not in CONVERTED:
-            return self.data(name, QUANTIZED), t.type_id
-        raw = self.data(name, SUPPORTED).numpy()
-        assert t.type_name == "Q5_0" and CONVERTED["Q5_0"] == "Q8_0"
-        return torch.from_numpy(q5_0_as_q8_0(raw)), 8
-
+        if t.type_name == "Q5_0":
+            return torch.from_numpy(q5_0_as_q8_0(self.data(name, CONVERTED).numpy())), 8  # 8: Q8_0
+        return self.data(name, QUANTIZED), t.type_id
 
     def release(self, name: str, row0: int = 0, row1: int | None = None) -> None:
         """Drop this process's copies of a tensor's pages (the whole pages inside its rows

@@ -154,22 +154,19 @@ def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: 
     def floats(name: str) -> nn.Parameter:
         return nn.Parameter(g.floats(name).to(cpu), requires_grad=False)
 
-    converted: dict[str, tuple[torch.Tensor, int]] = {}  # one copy of a CONVERTED tensor (a tied head shares it)
+    read: dict[str, tuple[torch.Tensor, int]] = {}  # a converted tensor is copied once (a tied head shares it)
 
     def blocks(name: str) -> tuple[torch.Tensor, int]:
-        if g.tensor(name).type_name in CONVERTED:
-            if name not in converted:
-                converted[name] = g.blocks(name)
-            data, type_id = converted[name]
-        else:
-            data, type_id = g.blocks(name)
+        if name not in read:
+            read[name] = g.blocks(name)
+        data, type_id = read[name]
         layer, _, short = name.partition(".weight")[0].rpartition(".")
         if cfg.model_type == "llama" and short in ("attn_q", "attn_k"):
             data = _unpermute_rows(data, cfg.num_heads if short == "attn_q" else cfg.num_kv_heads).contiguous()
         return data, type_id
 
     embed = g.tensor("token_embd.weight")
-    if embed.type_name in QUANTIZED or embed.type_name in CONVERTED:
+    if embed.type_name in QUANTIZED | CONVERTED:
         net.embed_tokens = GGUFEmbedding(*blocks("token_embd.weight"), cfg.hidden_size)
     else:
         net.embed_tokens = nn.Embedding.from_pretrained(g.floats("token_embd.weight"), freeze=True)

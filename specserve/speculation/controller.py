@@ -23,13 +23,15 @@ whose expected tokens pay for their cost at the batch's goodput, and none when n
   request's expected time per token this step (the step's seconds over 1 + its expected accepted
   nodes; a request drafting nothing gets one token for the whole step) is within the target, or
   within the plain step's time where plain decoding itself misses it: drafts for some requests
-  never slow the others beyond the bound.
+  never slow the others beyond the bound. The pace bound (`pace_slack`) is the same cut for the
+  requests behind plain decoding's pace only (the speculator keeps each request's pace).
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -230,6 +232,150 @@ class StepCostModel:
         w = self.w.copy()
         w[1:] = np.maximum(w[1:], 0.0)  # more tokens or trees never make a step faster
         return w
+
+    def predict(self, shape: StepShape) -> float:
+        return max(float(self._x(shape) @ self._weights()), 1e-6)
+
+    def per_tree(self) -> float:
+        """Seconds a request adds by carrying a draft tree at all (masks, verification)."""
+        return max(float(self.w[2]), 0.0)
+
+    def per_attended(self) -> float:
+        """Seconds one new token adds per token of context it attends to."""
+        return max(float(self.w[1]), 0.0) * self.attention
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        x = self._x(shape)
+        px = self.P @ x
+        gain = px / (self.forgetting + float(x @ px))
+        self.w = self.w + gain * (seconds - float(x @ self.w))
+        self.P = (self.P - np.outer(gain, px)) / self.forgetting
+        # Forgetting inflates P along directions the steps never vary (no drafts for a while);
+        # keep it within the prior's size so one odd step cannot swing the model.
+        ratio = np.trace(self.P) / np.trace(self._p0)
+        if ratio > 1.0:
+            self.P /= ratio
+        self.observations += 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One decoding request's draft nodes, in an order where parents come first and values fall:
+    values[j] = the chance node j is accepted; fixed_cost = seconds the request adds by drafting
+    at all (verifying a tree, proposing), beyond its tokens."""
+
+    values: tuple[float, ...]
+    fixed_cost: float = 0.0
+    node_cost: float = 0.0  # seconds each node adds beyond its forward token (a draft model's forward)
+    context: int = 0  # tokens each node attends to (its request's context): its attention's cost
+    behind: bool = False  # its request is behind plain decoding's pace so far: the pace bound protects it
+
+
+class Controller(Protocol):
+    """Chooses draft nodes across a step's batch, and learns from the step's measured time."""
+
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate],
+               behind_plain: bool = False) -> "Selection": ...
+    def predict(self, shape: StepShape) -> float | None: ...
+    def learn(self, shape: StepShape, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Selection:
+    counts: tuple[int, ...]  # nodes kept per candidate (a prefix of its values)
+    expected_tokens: float  # the step's expected emitted tokens
+    seconds: float  # its predicted time
+    expected_accepted: float  # of which accepted draft nodes
+
+
+class GoodputController:
+    """Keeps, across the batch, the draft nodes that raise expected tokens per second.
+
+    A node less likely than `min_value` to be accepted is never kept, whatever the cost model
+    says: where the forward's measured cost is flat over a range of token counts (a small model's
+    forward is its overhead; a noisy probe can time 8 tokens as long as 16), extra rows look free
+    and every node with any chance at all would be verified, rows spent on drafts that are almost
+    always rejected. At 5% such a node would add at most 0.05 expected tokens."""
+
+    def __init__(self, cost: StepCostModel, max_iterations: int = 8, latency_slo: float | None = None,
+                 min_value: float = 0.05, latency_slack: float | None = None,
+                 pace_slack: float | None = None) -> None:
+        if latency_slo is not None and latency_slo <= 0:
+            raise ValueError(f"spec_latency_slo: must be > 0 seconds per token, got {latency_slo}")
+        if latency_slack is not None and latency_slack < 0:
+            raise ValueError(f"spec_latency_slack: must be >= 0, got {latency_slack}")
+        self.latency_slack = latency_slack
+        if pace_slack is not None and pace_slack < 0:
+            raise ValueError(f"spec_pace_slack: must be >= 0, got {pace_slack}")
+        self.pace_slack = pace_slack
+        if not 0.0 <= min_value < 1.0:
+            raise ValueError(f"controller min_value: must be in [0, 1), got {min_value}")
+        self.min_value = min_value
+        self.cost = cost
+        self.max_iterations = max_iterations
+        self.latency_slo = latency_slo
+
+    def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate],
+               behind_plain: bool = False) -> Selection:
+        """base: the step without drafts; sampling_rows: requests that emit a token this step;
+        behind_plain: a request behind plain decoding's pace emits a token this step without
+        being a candidate (the pace bound then keeps the step within a plain one)."""
+        best = self.evaluate(base, sampling_rows, candidates, [0] * len(candidates))
+        per_tree = self.cost.per_tree()
+        per_attended = self.cost.per_attended()
+        base_seconds = self.cost.predict(base)
+        for _ in range(self.max_iterations):
+            g = best.expected_tokens / best.seconds
+            # The forward's cost per draft token: a secant over the nodes selected so far (at least one).
+            span = max(sum(best.counts), 1)
+            wider = StepShape(base.tokens + span, base.drafted, base.attended)
+            per_token = (self.cost.predict(wider) - base_seconds) / span
+            counts = []
+            for c in candidates:
+                gain, k = 0.0, 0
+                cost = per_token + c.node_cost + per_attended * c.context
+                for j, v in enumerate(c.values):
+                    if v <= g * cost or v < self.min_value:
+                        break
+                    gain += v - g * cost
+                    k = j + 1
+                counts.append(k if gain > g * (per_tree + c.fixed_cost) else 0)
+            if tuple(counts) == best.counts:
+                break
+            trial = self.evaluate(base, sampling_rows, candidates, counts)
+            if trial.expected_tokens / trial.seconds <= g:
+                break
+            best = trial
+        if self.latency_slo is not None or self.latency_slack is not None:
+            # every request protected: those outside the candidates get one token for the step
+            bound = max(self.latency_slo or 0.0, base_seconds * (1.0 + (self.latency_slack or 0.0)))
+            best = self._within(base, sampling_rows, candidates, best, bound, range(len(candidates)),
+                                len(candidates) < sampling_rows)
+        if self.pace_slack is not None and (behind_plain or any(c.behind for c in candidates)):
+            # only the requests behind plain decoding's pace: the others keep their drafts
+            best = self._within(base, sampling_rows, candidates, best, base_seconds * (1.0 + self.pace_slack),
+                                [i for i, c in enumerate(candidates) if c.behind], behind_plain)
+        return best
+
+    def _within(self, base: StepShape, rows: int, candidates: list[Candidate], sel: Selection, bound: float,
+                protected: Sequence[int], outside: bool) -> Selection:
+        """`sel` with nodes taken back (each time the last node of the request whose last node is
+        worth least) until the slowest protected request expects its tokens within `bound` seconds
+        each: the step's seconds over 1 + its expected accepted nodes, one token for a protected
+        request drafting nothing (`outside`: one that is no candidate at all)."""
+        counts = list(sel.counts)
+        while sum(counts):
+            if outside or any(counts[i] == 0 for i in protected):
+                least = 1.0
+            else:
+                least = min((1.0 + sum(candidates[i].values[:counts[i]]) for i in protected), default=math.inf)
+            if sel.seconds / least <= bound:
+                break
+            drafting = [i for i, k in enumerate(counts) if k]
+            i = min(drafting, key=lambda i: candidates[i].values[counts[i] - 1])
+            counts[i] -= 1
+            sel = self.evaluate(base, rows, candidates, counts)
+        return sel
 
     def predict(self, shape: StepShape) -> float:
         return max(float(self._x(shape) @ self._weights()), 1e-6)

@@ -156,6 +156,23 @@ class _Row:
 
 
 @dataclass
+class _Pace:
+    """A request's steps so far against plain decoding's: their measured seconds, the plain step
+    time predicted for each, how many, and the tokens they emitted."""
+
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+    @property
+    def behind(self) -> bool:
+        """Its seconds per token above the plain seconds per step (after two steps: one slow step
+        that also carries its prefill's end says little)."""
+        return self.steps >= 2 and self.seconds * self.steps > self.plain_seconds * self.tokens
+
+
+@dataclass
 class _Step:
     """The speculator's record of a step: a row per batch item it saw, by the item's batch index
     (the engine's index space), and the step's totals."""
@@ -203,8 +220,7 @@ class Speculator:
         self.guard = guard  # None: the controller's word is final (fixed grants, tests)
         self._propose_cost: dict[str, float] = {}  # seconds per request (lookups) or per depth (models)
         self._since_draft: dict[str, int] = {}  # request -> steps since its last verified draft
-        # request -> [seconds of its steps, their plain predictions, steps, tokens emitted]
-        self._pace: dict[str, list[float]] = {}
+        self._pace: dict[str, _Pace] = {}
         self._step = _Step()
         self._open = False  # between propose and observe
         self._active: dict[str, Drafter] = {}
@@ -299,7 +315,7 @@ class Speculator:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
         seconds per token emitted above their predicted plain seconds per step."""
         pace = self._pace.get(request_id)
-        return pace is not None and pace[2] >= 2 and pace[0] * pace[2] > pace[1] * pace[3]
+        return pace is not None and pace.behind
 
     def _behind_outside(self, indices: set[int]) -> bool:
         """Whether a decode of this step outside `indices` (no candidate of the selection) is behind."""
@@ -578,11 +594,11 @@ class Speculator:
             for r in step.rows.values():
                 rid = r.view.request_id if r.view is not None else r.plain_id
                 if rid is not None and r.ok:
-                    pace = self._pace.setdefault(rid, [0.0, 0.0, 0.0, 0.0])
-                    pace[0] += seconds
-                    pace[1] += step.plain_seconds
-                    pace[2] += 1
-                    pace[3] += len(r.verdict.tokens)  # type: ignore[union-attr]
+                    pace = self._pace.setdefault(rid, _Pace())
+                    pace.seconds += seconds
+                    pace.plain_seconds += step.plain_seconds
+                    pace.steps += 1
+                    pace.tokens += len(r.verdict.tokens)  # type: ignore[union-attr]
         self._grants.update(step.grants)
         if step.guard is not None and self.guard is not None:
             drafted = any(r.drafted is not None or r.forced is not None for r in step.rows.values())
