@@ -19,6 +19,21 @@ from pathlib import Path
 import torch
 
 
+def engines_and_prompts(model: str | None, threads: int, num_prompts: int, max_tokens: int) -> tuple[dict, list]:
+    """The plain and `auto` engines on `model` (default: the bundled one), and ShareGPT prompts
+    under its chat template."""
+    from specserve import LLM
+    from specserve.bench.spec import load_questions, open_dataset
+    from specserve.tokenizer import apply_chat_template
+
+    kw = {} if model is None else {"model": model}
+    llms = {"none": LLM(speculative=None, threads=threads, **kw),
+            "auto": LLM(speculative=dict(method="auto"), threads=threads, **kw)}
+    tok = llms["none"].tokenizer
+    questions = load_questions(open_dataset("sharegpt", None), num_prompts, max_tokens, tok)
+    return llms, [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bundled model")
@@ -29,16 +44,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from specserve import LLM, SamplingParams
-    from specserve.bench.spec import load_questions, open_dataset
-    from specserve.tokenizer import apply_chat_template
+    from specserve import SamplingParams
 
-    kw = {} if a.model is None else {"model": a.model}
-    llms = {"none": LLM(speculative=None, threads=a.threads, **kw)}
-    llms["auto"] = LLM(speculative=dict(method="auto"), threads=a.threads, **kw)
-    tok = llms["none"].tokenizer
-    questions = load_questions(open_dataset("sharegpt", None), a.prompts, a.max_tokens, tok)
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     rec: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in llms}
     for name, llm in llms.items():

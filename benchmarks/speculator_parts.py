@@ -1,0 +1,78 @@
+"""Where auto's extra step time goes: each part of the speculator timed with perf_counter wrappers
+(no profiler: cProfile inflates this Python-heavy code many times over), plain decoding and auto
+on the same batches of ShareGPT prompts in one process.
+
+    python benchmarks/speculator_parts.py            # bundled model, batch 8, 32 prompts, two rounds
+
+Prints, per engine, the total seconds spent in each wrapped method over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+SPECULATOR_PARTS = ("propose", "verify", "observe", "finish", "_grant", "_run_drafters", "_select",
+                    "_keep_top_ids", "_tell_drafters", "_sample")
+
+
+def wrap(obj: Any, attr: str, totals: dict[str, float]) -> None:
+    """Replace obj.attr by a version that adds its wall time to totals["Class.attr"]."""
+    f = getattr(obj, attr)
+    key = f"{type(obj).__name__}.{attr}"
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - t
+
+    object.__setattr__(obj, attr, timed)  # drafters may be frozen dataclasses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from speculator_overhead import engines_and_prompts  # beside this file
+
+    from specserve import SamplingParams
+
+    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in llms}
+    for name, llm in llms.items():
+        core, t = llm.engine.core, totals[name]
+        wrap(core, "step", t)
+        wrap(core.runner, "execute", t)
+        sp = core.speculator
+        for m in SPECULATOR_PARTS:
+            wrap(sp, m, t)
+        for drafter in sp.drafters.values():
+            for m in ("propose", "observe", "finish"):
+                wrap(drafter, m, t)
+        wrap(sp.controller, "select", t)
+        wrap(sp.verifier, "verify", t)
+    for _ in range(a.rounds):
+        for i in range(0, len(prompts), a.batch):
+            for llm in llms.values():
+                llm.generate(prompts[i:i + a.batch], params, use_tqdm=False)
+    for name, t in totals.items():
+        print(name)
+        for key, seconds in sorted(t.items(), key=lambda kv: -kv[1]):
+            print(f"  {key:40s} {seconds * 1e3:9.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
