@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,7 +46,10 @@ class TrainConfig:
 
     out: str
     model: str = DEFAULT_MODEL
-    data: str = "sharegpt"  # sharegpt, spec-bench, humaneval, or a file: ShareGPT json, or jsonl with "prompt"/"turns"
+    # sharegpt, spec-bench, humaneval, code-edits (prompts made from the standard library's functions:
+    # `code_corpus`), or a file: ShareGPT json, or jsonl with "prompt"/"turns"; a mixture as
+    # "SOURCE:COUNT,SOURCE:COUNT" (each part's prompts in turn, the first COUNT that fit)
+    data: str = "sharegpt"
     num_prompts: int = 512
     max_prompt_tokens: int = 512
     max_new_tokens: int = 192
@@ -78,6 +82,22 @@ class TrainConfig:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
         if self.precision not in ("float32", "bfloat16"):
             raise ValueError(f"precision: must be float32 or bfloat16, got {self.precision!r}")
+        data_parts(self.data, self.num_prompts)  # raises on a malformed mixture
+
+
+def data_parts(data: str, num_prompts: int) -> list[tuple[str, int]]:
+    """`data` as (source, count) parts: one bare source takes `num_prompts`; in a mixture every part
+    names its count (`sharegpt:640,code-edits:400`)."""
+    items = [p.strip() for p in data.split(",")]
+    if len(items) == 1 and not re.fullmatch(r".+:\d+", items[0]):
+        return [(items[0], num_prompts)]
+    parts = []
+    for item in items:
+        m = re.fullmatch(r"(.+):(\d+)", item)
+        if m is None or int(m.group(2)) < 1:
+            raise ValueError(f"data: each part of a mixture is SOURCE:COUNT with COUNT >= 1, got {item!r} in {data!r}")
+        parts.append((m.group(1), int(m.group(2))))
+    return parts
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -88,6 +108,10 @@ def load_prompts(data: str, n: int, seed: int) -> list[str]:
     from specserve.bench.datasets import ShareGPT, open_dataset
 
     path = Path(data)
+    if data == "code-edits":
+        from specserve.train.code_corpus import CodeEditCorpus
+
+        return CodeEditCorpus().prompts(max(n * 2, n + 64), seed)
     if data == "sharegpt" or (path.is_file() and path.suffix == ".json"):
         pairs, _ = ShareGPT(path if path.is_file() else None).pairs()
         prompts = [p.prompt for p in pairs if p.prompt.strip()]
@@ -143,11 +167,19 @@ class DrafterTrainer:
         if len(done) >= self.c.num_prompts:
             return path
         tok = self.llm.tokenizer
-        prompts = []
-        for text in load_prompts(self.c.data, self.c.num_prompts, self.c.seed):
-            ids = apply_chat_template(tok, [{"role": "user", "content": text}]) if tok is not None else []
-            if 0 < len(ids) <= self.c.max_prompt_tokens:
-                prompts.append(ids)
+        prompts: list[list[int]] = []
+        for source, count in data_parts(self.c.data, self.c.num_prompts):
+            taken = 0
+            for text in load_prompts(source, count, self.c.seed):
+                ids = apply_chat_template(tok, [{"role": "user", "content": text}]) if tok is not None else []
+                if 0 < len(ids) <= self.c.max_prompt_tokens and taken < count:
+                    prompts.append(ids)
+                    taken += 1
+        for i, line in enumerate(done):
+            if i >= len(prompts) or json.loads(line)["prompt"] != prompts[i]:
+                raise ValueError(f"data: {path} answers other prompts than data={self.c.data!r}, "
+                                 f"max_prompt_tokens={self.c.max_prompt_tokens}, seed={self.c.seed} give "
+                                 f"(row {i}); use another out directory")
         prompts = prompts[len(done) : self.c.num_prompts]
         params = SamplingParams(max_tokens=self.c.max_new_tokens, temperature=0.0)
         chunk = 4 * self.c.gen_batch
