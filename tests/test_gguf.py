@@ -479,3 +479,38 @@ def test_packed_projections_hold_the_files_numbers(files: dict[str, Path], layou
                 assert torch.equal(torch.ops.specserve.gguf_dequantize(part, type_id, t.cols), file_values)
             else:
                 assert type_id == t.type_id and part.data_ptr() - base == t.offset
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_a_heads_readout_and_embedding_are_the_targets_rows_without_dense_copies(
+    files: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EAGLE head on a GGUF target reads the LM head's rows it needs (read back from the kernel a
+    chunk of hidden dims at a time: the same numbers as the whole matrix read back at once) and
+    looks tokens up through the target's embedding (the table's rows, dequantized as asked); it
+    never asks for the dense table (about 1 GB for a 150k vocabulary)."""
+    from specserve.model.eagle import lm_head_rows, lm_head_weight
+    from specserve.model.gguf_model import GGUFEmbedding, gguf_tokenizer_dir
+    from specserve.speculation.drafters.eagle import EagleDrafter
+
+    llm = LLM(str(files[name]))
+    model = llm.engine.model
+    assert model.lm_head.weight is None  # a kernel: the matrix only exists read back
+    ids = torch.tensor([0, 5, 17, 200, 258, 3])
+    whole = lm_head_weight(model)
+    for chunk in (256, 100, 7):
+        assert torch.equal(lm_head_rows(model, ids, chunk=chunk), whole[ids].float())
+    dense = model.embed_tokens.weight
+    assert torch.equal(model.embed_tokens(ids).float(), dense[ids].float())
+
+    def refused(self: GGUFEmbedding) -> torch.Tensor:
+        raise AssertionError("the dense embedding table was asked for")
+
+    monkeypatch.setattr(GGUFEmbedding, "weight", property(refused))
+    head = write_random_head(gguf_tokenizer_dir(files[name]), files[name].parent / f"head-{name}")
+    spec = LLM(str(files[name]), speculative=dict(method="eagle", draft_model=str(head), num_tokens=4,
+                                                   controller="fixed"))
+    drafter = next(iter(spec.engine.speculator.drafters.values()))
+    assert isinstance(drafter, EagleDrafter)
+    outs = spec.generate(random_prompts(3, seed=4, vocab=259), GREEDY, use_tqdm=False)
+    assert spec.engine.draft_totals.proposed > 0 and all(o.token_ids for o in outs)

@@ -120,7 +120,7 @@ def _build_one(
 
 
 def _eagle(spec: SpeculativeConfig, target: ModelHandle, gen: torch.Generator) -> Drafter:
-    from specserve.model.eagle import lm_head_weight, load_head
+    from specserve.model.eagle import lm_head_rows, load_head
     from specserve.model.llama import Linear
     from specserve.model.quant import prepare_linears
     from specserve.model.tuning import KernelTuner
@@ -135,18 +135,19 @@ def _eagle(spec: SpeculativeConfig, target: ModelHandle, gen: torch.Generator) -
     cfg = model.config
     head = load_head(spec.draft_model, cfg.rope_theta, cfg.rope_scaling)
     head.config.check_fits(cfg)
-    embed = model.embed_tokens.weight.detach()
-    head = head.to(device=embed.device, dtype=torch.float32)
-    lm = lm_head_weight(model)
+    # The embedding as the target looks tokens up (a GGUF table dequantizes only the rows asked
+    # for), and only the LM head's rows the head reads out: no dense copy of either (for a 150k
+    # vocabulary each would be about 1 GB in float32).
+    device = model.norm.weight.device
+    head = head.to(device=device, dtype=torch.float32)
     if int(head.vocab_ids.max()) >= cfg.vocab_size:
         raise ValueError("draft_model: the head's vocabulary ids exceed the target's vocabulary")
     readout = Linear(cfg.hidden_size, head.config.draft_vocab_size)
-    readout.weight = torch.nn.Parameter(lm.detach().float()[head.vocab_ids.to(lm.device)].contiguous(),
-                                        requires_grad=False)
+    readout.weight = torch.nn.Parameter(lm_head_rows(model, head.vocab_ids).contiguous(), requires_grad=False)
     # Drafting runs a few rows at a time: on the CPU, int8 kernels (the target's LM head is int8
     # too when it runs int4) read a quarter of the bytes that dense fp32 would, per depth.
-    precision = "int8" if embed.device.type == "cpu" else "none"
-    tuner = KernelTuner(embed.device)
+    precision = "int8" if device.type == "cpu" else "none"
+    tuner = KernelTuner(device)
     prepare_linears(head, precision, tuner.choose)
     prepare_linears(readout, precision, tuner.choose)
-    return EagleDrafter(head, embed.float(), readout, gen, max_depth=max(1, spec.num_tokens))
+    return EagleDrafter(head, model.embed_tokens, cfg.vocab_size, readout, gen, max_depth=max(1, spec.num_tokens))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -106,22 +107,28 @@ class EagleDrafter(Drafter):
     wants_hidden = True
 
     def __init__(
-        self, head: EagleHead, embed: torch.Tensor, readout: torch.nn.Module, generator: torch.Generator,
-        top_k: int = 4, max_depth: int = 8,
+        self, head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+        readout: torch.nn.Module, generator: torch.Generator, top_k: int = 4, max_depth: int = 8,
     ) -> None:
-        """embed: the target's embedding [vocab, H]; readout: [.., H] -> [.., draft_vocab] logits, the
-        rows of the target's LM head the head reads out, in the order of `head.vocab_ids`."""
+        """embed: the target's token embedding (ids [n] -> [n, H]: a module such as the target's
+        `embed_tokens`, which for a GGUF table dequantizes only the rows asked for); readout: [.., H]
+        -> [.., draft_vocab] logits, the rows of the target's LM head the head reads out, in the order
+        of `head.vocab_ids`."""
         self.head = head
         self.embed = embed
         self.readout = readout
-        self.vocab_ids = head.vocab_ids.to(embed.device)
-        self.vocab_size = embed.shape[0]
+        self.device = head.vocab_ids.device
+        self.vocab_ids = head.vocab_ids
+        self.vocab_size = vocab_size
         self.generator = generator
         self.top_k = top_k
         self.max_depth = max_depth
         c = head.config
         self._kv_shape = (c.num_kv_heads, c.head_dim)
         self._sides: dict[str, _Side] = {}
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids).float()
 
     # -- what the target computed ------------------------------------------------------------------
     def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
@@ -184,7 +191,7 @@ class EagleDrafter(Drafter):
             side.pend = []
             work[rid] = _Work(r, side, side.last_out, self._greedy(r))  # root_out set below when fed
         if segs:
-            dev = self.embed.device
+            dev = self.device
             tok = torch.tensor(tokens, device=dev)
             pos_t = torch.tensor(positions, device=dev)
 
@@ -199,7 +206,7 @@ class EagleDrafter(Drafter):
                     off += n
                 return torch.cat(outs)
 
-            out = self.head(torch.cat(feats), self.embed[tok], pos_t, attend)
+            out = self.head(torch.cat(feats), self._embed(tok), pos_t, attend)
             off = 0
             for rid, side, n in segs:
                 off += n
@@ -276,9 +283,9 @@ class EagleDrafter(Drafter):
                 out[idx] = _attend(q[idx], w.side.k[:, : w.side.length], w.side.v[:, : w.side.length], kb, vb, mask)
             return out
 
-        dev = self.embed.device
+        dev = self.device
         tok = torch.tensor(tokens, device=dev)
-        outs = self.head(torch.stack(feats), self.embed[tok], torch.tensor(positions, device=dev), attend)
+        outs = self.head(torch.stack(feats), self._embed(tok), torch.tensor(positions, device=dev), attend)
         for row, (w, i) in enumerate(frontier):
             w.nodes[i].out = outs[row]
         return outs
