@@ -333,3 +333,30 @@ def test_operators_have_right_schemas_and_fakes_for_torch_compile() -> None:
     for name, args in cases.items():
         results = torch.library.opcheck(getattr(torch.ops.specserve, name).default, args)
         assert all(v == "SUCCESS" for v in results.values()), (name, results)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_q8_0_candidates_compute_the_q8_0_weights_and_are_batch_invariant(bias: bool) -> None:
+    """A draft head's projections rounded to Q8_0 blocks (`q8_0_candidates`): every GGUF kernel this
+    CPU offers for them, forced one by one, computes x @ dequantize(blocks)^T (+ bias) within the
+    activations' int8 rounding, and a row's result is the same bit for bit alone or among 1..40 rows."""
+    import gguf
+
+    from specserve.model.quant import q8_0_candidates
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 256, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    ref_w = torch.from_numpy(gguf.quants.dequantize(
+        gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)).float()
+    assert (ref_w - w).abs().max() <= w.abs().max() / 127 + 1e-6  # Q8_0's own rounding
+    factories = q8_0_candidates(w, b)
+    assert factories and all(name.startswith("gguf-") for name in factories)
+    x = torch.randn(40, 256, generator=g)
+    ref = x @ ref_w.T + (b if b is not None else 0)
+    for name, make in factories.items():
+        kernel = make()
+        y = kernel(x)
+        assert (y - ref).abs().max() <= 0.02 * ref.abs().max(), name
+        for rows in (1, 2, 5, 17, 40):
+            assert torch.equal(kernel(x[:rows]), y[:rows]), (name, rows)

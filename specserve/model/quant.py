@@ -395,6 +395,16 @@ def gguf_candidates(parts: list[torch.Tensor], types: list[int], bias: torch.Ten
     return out
 
 
+def q8_0_candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, KernelFactory]:
+    """`weight` (float, on the CPU) rounded to GGUF Q8_0 blocks (an fp16 scale per 32 weights) and
+    the GGUF kernels this CPU runs for them (sixteen rows packed to a `vpdpbusd` vector where it has
+    VNNI): for projections made here rather than read from a file, such as a draft head's."""
+    import gguf
+
+    blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return gguf_candidates([torch.from_numpy(blocks)], [int(gguf.GGMLQuantizationType.Q8_0)], bias)
+
+
 # -- which kernels a device offers for a precision ------------------------------------------------
 
 def candidates(precision: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -464,10 +474,11 @@ def prepare_linears(
     precision: str,
     choose: Callable[[str, tuple[int, int], torch.dtype, dict[str, KernelFactory]], tuple[str, nn.Module]],
     int4_source: Callable[[str], Int4Weight | None] | None = None,
+    more: Callable[[torch.Tensor, torch.Tensor | None], dict[str, KernelFactory]] | None = None,
 ) -> dict[str, str]:
     """Give every projection (module with a `kernel` slot) the kernel `choose` picks for
     `precision` (the LM head: int8 when the rest is int4), and drop the dense weights the kernel no
-    longer needs. Returns {module name: kernel name}."""
+    longer needs; `more(weight, bias)` adds candidates to choose among. Returns {module name: kernel name}."""
     if precision not in QUANTIZATIONS:
         raise ValueError(f"quantization: unknown {precision!r}; choose one of {', '.join(QUANTIZATIONS)}")
     shared = {id(p) for name, m in model.named_modules() if not hasattr(m, "kernel")
@@ -479,7 +490,10 @@ def prepare_linears(
         own = "int8" if precision == "int4" and name == "lm_head" else precision
         exact = int4_source(name) if own == "int4" and int4_source is not None else None
         weight = module.weight.detach()
-        factories = candidates(own, weight, None if module.bias is None else module.bias.detach(), exact)
+        bias = None if module.bias is None else module.bias.detach()
+        factories = candidates(own, weight, bias, exact)
+        if more is not None:
+            factories.update(more(weight, bias))
         kernel_name, kernel = choose(own, tuple(weight.shape), weight.dtype, factories)
         module.kernel = kernel
         chosen[name] = kernel_name
