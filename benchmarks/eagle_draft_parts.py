@@ -13,17 +13,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from typing import Any, Callable
-
-
-def timed(table: Counter[str], calls: Counter[str], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        table[key] += time.perf_counter() - start
-        calls[key] += 1
-        return out
-    return run
 
 
 def main() -> None:
@@ -44,15 +33,17 @@ def main() -> None:
     llm = LLM(a.model, threads=a.threads, speculative=dict(method="eagle", draft_model=a.head, num_tokens=a.tokens,
                                                            controller="fixed"))
     drafter = next(iter(llm.engine.speculator.drafters.values()))
+    from speculator_parts import wrap  # beside this file
+
     seconds: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     for name in ("propose", "_catch_up", "_grow", "_expand", "_children"):
-        setattr(drafter, name, timed(seconds, calls, name, getattr(drafter, name)))
-    drafter.head.forward = timed(seconds, calls, "head forward", drafter.head.forward)
-    drafter.readout.forward = timed(seconds, calls, "readout (LM-head rows)", drafter.readout.forward)
+        wrap(drafter, name, seconds, name, calls)
+    wrap(drafter.head, "forward", seconds, "head forward", calls)
+    wrap(drafter.readout, "forward", seconds, "readout (LM-head rows)", calls)
     for name, m in drafter.head.named_modules():
         if isinstance(m, Linear):
-            m.forward = timed(seconds, calls, f"  {name}", m.forward)
+            wrap(m, "forward", seconds, f"  {name}", calls)
     tok = llm.tokenizer
     samples = CodeEdit().sample(SampleSpec(per_category=1), lambda x: len(tok.encode(x))).samples[: a.prompts]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)

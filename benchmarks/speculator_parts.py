@@ -20,10 +20,12 @@ SPECULATOR_PARTS = ("propose", "verify", "observe", "finish", "_grant", "_run_dr
                     "_keep_top_ids", "_tell_drafters", "_sample")
 
 
-def wrap(obj: Any, attr: str, totals: dict[str, float]) -> None:
-    """Replace obj.attr by a version that adds its wall time to totals["Class.attr"]."""
+def wrap(obj: Any, attr: str, totals: dict[str, float], key: str | None = None,
+         calls: dict[str, int] | None = None) -> None:
+    """Replace obj.attr by a version that adds its wall time to totals[key] (default "Class.attr")
+    and, given `calls`, counts its calls there."""
     f = getattr(obj, attr)
-    key = f"{type(obj).__name__}.{attr}"
+    key = key or f"{type(obj).__name__}.{attr}"
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
@@ -31,6 +33,8 @@ def wrap(obj: Any, attr: str, totals: dict[str, float]) -> None:
             return f(*args, **kwargs)
         finally:
             totals[key] += time.perf_counter() - t
+            if calls is not None:
+                calls[key] += 1
 
     object.__setattr__(obj, attr, timed)  # drafters may be frozen dataclasses
 
