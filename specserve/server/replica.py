@@ -259,6 +259,10 @@ def deploy_replicas(engine_args: EngineArgs, options: ReplicaOptions) -> list[De
             max_ongoing_requests=options.max_waiting + 4096,  # the engine queues and refuses, not Serve
             health_check_period_s=options.health_check_period_s, health_check_timeout_s=60.0,
             graceful_shutdown_timeout_s=10.0,
+            # a replica that cannot load its model (a bad path, too little memory) fails the same way
+            # again: Serve's default retries (three a replica, each a new process importing torch) only
+            # delay the error the user waits for
+            max_constructor_retry_count=1,
             logging_config={"enable_access_log": False, "log_level": "WARNING"},  # the front end logs requests
         ).bind(args, options.max_waiting)
         targets.append(serve.RunTarget(app, name=name, route_prefix=None))
