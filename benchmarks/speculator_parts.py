@@ -73,7 +73,9 @@ def main() -> None:
             for llm in llms.values():
                 llm.generate(prompts[i:i + a.batch], params, use_tqdm=False)
     for name, t in totals.items():
-        print(name)
+        s = llms[name].engine.core.speculation_stats()
+        print(name, f"steps {s.steps}, grants {dict(s.grants)}, accepted {s.accepted}, drafted with {dict(s.drafted_with)},"
+              f" guard: plain {s.guard_plain_steps}, probes {s.guard_probes}, turned off {s.guard_turned_off}")
         for key, seconds in sorted(t.items(), key=lambda kv: -kv[1]):
             print(f"  {key:40s} {seconds * 1e3:9.1f} ms")
 

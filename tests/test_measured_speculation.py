@@ -238,6 +238,61 @@ def test_auto_learns_from_the_trees_that_lost_and_stops_asking_a_drafter_that_do
     assert never_asked[0] < 0.3 * always.asked, (never_asked[0], always.asked)
 
 
+class Learner(Drafter):
+    """Never proposes; learns from the target's top tokens (as token recycling does) and counts
+    the steps it was shown them."""
+
+    target_topk = 4
+
+    def __init__(self) -> None:
+        self.shown = 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        return [DraftTree.chain([]) for _ in requests]
+
+    def observe(self, view, tree, target_top_ids) -> None:
+        self.shown += target_top_ids is not None
+
+
+class SayGuard(GoodputGuard):
+    """A guard that always says the same."""
+
+    def __init__(self, say: Mode) -> None:
+        super().__init__()
+        self.say = say
+
+    def mode(self, key: tuple[int, int], step_no: int) -> Mode:
+        return self.say
+
+
+@pytest.mark.parametrize("say", [Mode.PLAIN, Mode.DRAFT])
+def test_steps_the_guard_keeps_plain_spend_nothing_on_learning(tiny_llama: Path, say: Mode,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where drafts do not pay, speculation costs nothing it can avoid: on steps the guard keeps
+    plain no drafter is shown the target's top tokens and no top-k of the logits is taken (on
+    drafting steps a learner is, so the count can tell)."""
+    from specserve.speculation import speculator as speculator_module
+
+    topk_calls = [0]
+    row_topk_ids = speculator_module.row_topk_ids
+
+    def counting(*args, **kwargs):
+        topk_calls[0] += 1
+        return row_topk_ids(*args, **kwargs)
+
+    monkeypatch.setattr(speculator_module, "row_topk_ids", counting)
+    llm = LLM(str(tiny_llama), speculative="auto", max_num_seqs=4)
+    learner = Learner()
+    llm.engine.speculator.drafters = {"learner": learner}
+    llm.engine.speculator.guard = SayGuard(say)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    llm.generate(random_prompts(4, seed=43), greedy, use_tqdm=False)
+    if say is Mode.PLAIN:  # (a prefill step is not the guard's to judge: only decode-only ones are kept plain)
+        assert learner.shown <= 4 and topk_calls[0] <= 4, (learner.shown, topk_calls[0])
+    else:
+        assert learner.shown >= 4 * 8 and topk_calls[0] >= 8
+
+
 class RandomGuard(GoodputGuard):
     """A guard whose say changes at random every step (plain, draft, probe), whatever the steps
     measured: outputs must not notice."""

@@ -514,8 +514,12 @@ class Speculator:
 
     def _learning(self) -> frozenset[str]:
         """The drafters that learn from the target's rows this step: those that drafted this step
-        or lately, and now and then the others (learning costs a top-k over every row's logits)."""
+        or lately, and now and then the others (learning costs a top-k over every row's logits).
+        None on a step the guard keeps plain: where drafts do not pay, speculation costs nothing
+        it can avoid (the learners learn again once the guard's probes find drafts paying)."""
         step = self._step
+        if self._mode is Mode.PLAIN:
+            return frozenset()
         now = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
         return frozenset(
             name for name, d in self.drafters.items() if d.target_topk > 0 and (
