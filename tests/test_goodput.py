@@ -192,6 +192,24 @@ def test_acceptance_moves_from_the_drafters_prior_to_the_requests_record() -> No
     assert values[0] > values[2] and values[1] < values[0]  # a second sibling is tried only if the first fails
 
 
+def test_a_depth_never_tried_is_estimated_as_the_depth_above_it() -> None:
+    """Grants stop where estimates stop: a depth nobody was granted yet must not sit at the initial
+    guess (else a drafter accepted at every depth it was tried stays at the depth it started at),
+    and once tried, its own record decides."""
+    a = AcceptanceModel()
+    chain = DraftTree.chain([1, 2, 3, 4])
+    for _ in range(30):
+        a.observe("suffix", "copy", chain, [0, 1, 2, 3])  # four deep, all accepted
+    for depth in (5, 6, 8, 12):
+        assert a.rate("suffix", "copy", depth) == pytest.approx(a.rate("suffix", "copy", 4))
+        assert a.rate("suffix", "other", depth) > 0.9  # the drafter's record, for a new request too
+    assert a.chain_values("suffix", "copy", 8)[-1] > 0.6
+    for _ in range(10):  # tried at depth 5: rejected there every time
+        a.observe("suffix", "copy", DraftTree.chain([1, 2, 3, 4, 5]), [0, 1, 2, 3])
+    assert a.rate("suffix", "copy", 5) < 0.4 and a.rate("suffix", "copy", 4) > 0.9
+    assert a.rate("ngram", "copy", 3) == pytest.approx(a.initial)  # no record at all: the initial guess
+
+
 def test_tree_keep_reindexes_a_parent_closed_subset() -> None:
     tree = DraftTree((10, 11, 12, 13), (-1, 0, -1, 1), scores=(0.9, 0.8, 0.1, 0.7))
     kept = tree.keep([0, 1, 3])

@@ -93,17 +93,39 @@ class AcceptanceModel:
         return min(depth, self.max_depth), min(rank, self.max_rank)
 
     def rate(self, drafter: str, request_id: str, depth: int, rank: int = 0, score: float | None = None) -> float:
-        key = self._key(depth, rank, score)
         g = self._drafters.get(drafter)
-        prior = self.initial if score is None else score
+        r = self._requests.get((drafter, request_id))
+        if score is None:
+            return self._depth_rate(g, r, depth, rank)
+        key = self._key(depth, rank, score)
+        prior = score
         if g is not None and key in g.by_key:
             c = g.by_key[key]
             prior = (c.accepted + 2.0 * prior) / (c.tried + 2.0)
-        r = self._requests.get((drafter, request_id))
         if r is None or key not in r.by_key:
             return prior
         c = r.by_key[key]
         return (c.accepted + self.prior_weight * prior) / (c.tried + self.prior_weight)
+
+    def _depth_rate(self, g: _Stats | None, r: _Stats | None, depth: int, rank: int) -> float:
+        """The rate at (depth, rank), each depth's estimate the prior of the next: the drafter's
+        counts at a depth move its estimate from the shallower depth's, the request's own from the
+        drafter's. A depth nobody has tried yet is estimated as the depth above it, not afresh at
+        `initial`: else a drafter granted 4 nodes would never be tried at depth 5, which would
+        stay at `initial` and never be worth granting (on code editing, where nodes are accepted
+        ~95% of the time at every depth, grants stuck at 3-4 nodes where 8 paid more)."""
+        rank = min(rank, self.max_rank)
+        drafter_rate, request_rate = self.initial, None
+        for d in range(1, min(depth, self.max_depth) + 1):
+            gc = g.by_key.get((d, rank)) if g is not None else None
+            rc = r.by_key.get((d, rank)) if r is not None else None
+            if gc is not None:
+                drafter_rate = (gc.accepted + 2.0 * drafter_rate) / (gc.tried + 2.0)
+            if rc is not None:
+                request_rate = (rc.accepted + self.prior_weight * drafter_rate) / (rc.tried + self.prior_weight)
+            elif gc is not None:
+                request_rate = None  # the drafter has measured this depth, the request not: the drafter's word
+        return drafter_rate if request_rate is None else request_rate
 
     def proposes(self, drafter: str, request_id: str) -> float:
         """The chance that `drafter`, asked to draft for the request, proposes anything."""
