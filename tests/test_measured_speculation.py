@@ -22,13 +22,13 @@ KEY = GoodputGuard.key(8, 8 * 100)
 
 
 def run(guard: GoodputGuard, steps: int, start: int, plain_spt: float, drafted_spt: float,
-        drafted_tokens: int = 12) -> list[Mode]:
+        drafted_tokens: int = 12, requests: frozenset[str] = frozenset()) -> list[Mode]:
     """`steps` steps of 8 requests at KEY from step number `start`: a plain step emits 8 tokens
     at `plain_spt` seconds per token; one that drafts (DRAFT or PROBE) emits `drafted_tokens` at
     `drafted_spt`."""
     modes = []
     for n in range(start, start + steps):
-        mode = guard.mode(KEY, n)
+        mode = guard.mode(KEY, n, requests)
         drafted = mode is not Mode.PLAIN
         tokens = drafted_tokens if drafted else 8
         guard.record(KEY, mode, n, drafted, tokens * (drafted_spt if drafted else plain_spt), tokens, 8)
@@ -56,6 +56,21 @@ def test_a_probe_that_pays_turns_drafting_back_on() -> None:
     first = modes.index(Mode.PROBE)
     assert set(modes[first + 1:]) == {Mode.DRAFT}
     assert guard.stats().turned_on == 1 and guard.stats().buckets_off == 0
+
+
+def test_a_shape_switched_off_is_probed_again_soon_once_the_requests_it_lost_with_have_left() -> None:
+    """The waits between probes grow while the same requests keep losing; when every one of them has
+    left (at batch 1: the next request), the loss says nothing of the new ones: a probe comes at
+    once, and the waits start short again. A request still there keeps the long wait."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=512))
+    a, b, c = frozenset({"a"}), frozenset({"b"}), frozenset({"a", "c"})
+    modes = run(guard, 300, 0, plain_spt=0.010, drafted_spt=0.012, requests=a)
+    probes = [i for i, m in enumerate(modes) if m is Mode.PROBE]
+    assert probes[-1] == 243 and 243 + 256 > 400  # the next probe would be 256 steps on
+    assert set(run(guard, 100, 300, plain_spt=0.010, drafted_spt=0.012, requests=c)) == {Mode.PLAIN}  # "a" is still there
+    modes = run(guard, 100, 400, plain_spt=0.010, drafted_spt=0.012, requests=b)
+    probes = [400 + i for i, m in enumerate(modes) if m is Mode.PROBE]
+    assert probes[:3] == [401, 401 + 16, 401 + 16 + 32]  # at once, then the waits grow again from the shortest
 
 
 def test_drafts_that_pay_stay_on_with_a_control_step_now_and_then() -> None:
@@ -261,7 +276,7 @@ class SayGuard(GoodputGuard):
         super().__init__()
         self.say = say
 
-    def mode(self, key: tuple[int, int], step_no: int) -> Mode:
+    def mode(self, key: tuple[int, int], step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
         return self.say
 
 
@@ -301,7 +316,7 @@ class RandomGuard(GoodputGuard):
         super().__init__()
         self.rng = random.Random(seed)
 
-    def mode(self, key: tuple[int, int], step_no: int) -> Mode:
+    def mode(self, key: tuple[int, int], step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
         return self.rng.choice(list(Mode))
 
 

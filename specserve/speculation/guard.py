@@ -76,6 +76,8 @@ class _Bucket:
     wait: int = 0  # steps between probes now
     next_probe: int = 0
     on_since: int = 0  # drafted steps since the bucket last turned on
+    requests: frozenset[str] = frozenset()  # the requests of the bucket's latest step
+    off_for: frozenset[str] = frozenset()  # the requests drafts lost with when it last turned off
 
     def gain(self) -> float:
         """Plain seconds per token over drafted seconds per token (> 1: drafts pay)."""
@@ -113,8 +115,15 @@ class GoodputGuard:
         context = max(attended // max(rows, 1), 1)
         return r, (context.bit_length() - 1) // 2
 
-    def mode(self, key: tuple[int, int], step_no: int) -> Mode:
+    def mode(self, key: tuple[int, int], step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
+        """The say on a step at `key` decoding `requests`."""
         b = self._bucket(key)
+        b.requests = requests
+        if b.off and requests and b.off_for and not requests & b.off_for:
+            # every request the drafts lost with has left: that loss says nothing of these (at batch
+            # 1, one request that drafts badly would else keep drafting off for the next ones for up
+            # to probe_max steps), so a probe comes soon, and the waits start short again
+            b.wait, b.next_probe, b.off_for = 0, min(b.next_probe, step_no + 1), frozenset()
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if step_no >= b.next_probe and b.plain.steps else Mode.PLAIN
         if b.plain.steps == 0 or (b.seconds.steps and step_no - b.last_plain >= self.config.control_every):
@@ -175,6 +184,7 @@ class GoodputGuard:
         c = self.config
         b.wait = min(max(b.wait * 2, c.probe_after), c.probe_max)
         b.next_probe = step_no + b.wait
+        b.off_for = b.requests
         b.seconds, b.tokens, b.rows = _Average(), _Average(), _Average()  # judged afresh by the next probe
 
     def _count(self, **deltas: int) -> None:

@@ -251,7 +251,8 @@ class Speculator:
             self._step.plain_seconds = self.controller.predict(base)
         if self.enabled and self.guard is not None and base.tokens == sampling_rows:  # decode-only
             key = self.guard.key(sampling_rows, base.attended)
-            self._step.guard = (key, self.guard.mode(key, self._step_no))
+            requests = frozenset(d.request.view.request_id for d in decodes)
+            self._step.guard = (key, self.guard.mode(key, self._step_no, requests))
         decodes = [d for d in decodes if d.request.budget > 0]
         if not self.enabled or not decodes or self._mode is Mode.PLAIN:
             self._step.grants = [0] * len(decodes)
