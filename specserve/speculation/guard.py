@@ -13,7 +13,9 @@ steps), or emit no more tokens than requests (every draft rejected, whatever the
 load), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
 for a probe now and then (after `probe_after` steps, doubling after every probe that loses, up to
 `probe_max`), a step on which every decode drafts (the controller's choice, at least one node
-each); a probe that pays turns the bucket back on.
+each); a probe that pays turns the bucket back on. The waits start short again, and a probe comes at once,
+when every request the drafts lost with has left the bucket's steps: their loss says nothing of
+the requests that came after (at batch 1, the next request).
 
 Why this never changes what a request outputs: the guard chooses whether a step drafts from the
 seconds and token counts of steps already taken, before the step's drafts are drawn or verified;
