@@ -96,7 +96,7 @@ class AcceptanceModel:
         g = self._drafters.get(drafter)
         r = self._requests.get((drafter, request_id))
         if score is None:
-            return self._depth_rate(g, r, depth, rank)
+            return self._depth_rates(g, r, max(depth, 1), rank)[-1]
         key = self._key(depth, rank, score)
         prior = score
         if g is not None and key in g.by_key:
@@ -107,25 +107,29 @@ class AcceptanceModel:
         c = r.by_key[key]
         return (c.accepted + self.prior_weight * prior) / (c.tried + self.prior_weight)
 
-    def _depth_rate(self, g: _Stats | None, r: _Stats | None, depth: int, rank: int) -> float:
-        """The rate at (depth, rank), each depth's estimate the prior of the next: the drafter's
-        counts at a depth move its estimate from the shallower depth's, the request's own from the
-        drafter's. A depth nobody has tried yet is estimated as the depth above it, not afresh at
-        `initial`: else a drafter granted 4 nodes would never be tried at depth 5, which would
-        stay at `initial` and never be worth granting (on code editing, where nodes are accepted
-        ~95% of the time at every depth, grants stuck at 3-4 nodes where 8 paid more)."""
+    def _depth_rates(self, g: _Stats | None, r: _Stats | None, depth: int, rank: int) -> list[float]:
+        """The rates at depths 1..depth for `rank`, each depth's estimate the prior of the next: the
+        drafter's counts at a depth move its estimate from the shallower depth's, the request's own
+        from the drafter's. A depth nobody has tried yet is estimated as the depth above it, not
+        afresh at `initial`: else a drafter granted 4 nodes would never be tried at depth 5, which
+        would stay at `initial` and never be worth granting (on code editing, where nodes are
+        accepted ~95% of the time at every depth, grants stuck at 3-4 nodes where 8 paid more).
+        Depths past `max_depth` share its estimate."""
         rank = min(rank, self.max_rank)
         drafter_rate, request_rate = self.initial, None
-        for d in range(1, min(depth, self.max_depth) + 1):
-            gc = g.by_key.get((d, rank)) if g is not None else None
-            rc = r.by_key.get((d, rank)) if r is not None else None
-            if gc is not None:
-                drafter_rate = (gc.accepted + 2.0 * drafter_rate) / (gc.tried + 2.0)
-            if rc is not None:
-                request_rate = (rc.accepted + self.prior_weight * drafter_rate) / (rc.tried + self.prior_weight)
-            elif gc is not None:
-                request_rate = None  # the drafter has measured this depth, the request not: the drafter's word
-        return drafter_rate if request_rate is None else request_rate
+        out: list[float] = []
+        for d in range(1, depth + 1):
+            if d <= self.max_depth:
+                gc = g.by_key.get((d, rank)) if g is not None else None
+                rc = r.by_key.get((d, rank)) if r is not None else None
+                if gc is not None:
+                    drafter_rate = (gc.accepted + 2.0 * drafter_rate) / (gc.tried + 2.0)
+                if rc is not None:
+                    request_rate = (rc.accepted + self.prior_weight * drafter_rate) / (rc.tried + self.prior_weight)
+                elif gc is not None:
+                    request_rate = None  # the drafter has measured this depth, the request not: its word
+            out.append(drafter_rate if request_rate is None else request_rate)
+        return out
 
     def proposes(self, drafter: str, request_id: str) -> float:
         """The chance that `drafter`, asked to draft for the request, proposes anything."""
@@ -138,9 +142,10 @@ class AcceptanceModel:
 
     def chain_values(self, drafter: str, request_id: str, n: int) -> list[float]:
         """The chance that each node of an n-node chain is accepted (rank-0 nodes, depth 1..n)."""
+        rates = self._depth_rates(self._drafters.get(drafter), self._requests.get((drafter, request_id)), n, 0)
         out, p = [], 1.0
-        for d in range(1, n + 1):
-            p *= self.rate(drafter, request_id, d)
+        for a in rates:  # one pass over the depths, not one per node
+            p *= a
             out.append(p)
         return out
 
