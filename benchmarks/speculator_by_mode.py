@@ -9,31 +9,18 @@ propose, verify and observe (perf_counter around each call; no profiler).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections import defaultdict
 from typing import Any
 
-import torch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the bundled model")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    from speculator_overhead import engines_and_prompts  # beside this file
+    from speculator_overhead import engines_and_prompts, run_rounds, workload_args  # beside this file
 
-    from specserve import SamplingParams
-
+    a = workload_args(__doc__)
     llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     seconds: dict[str, dict[tuple[str, str], list[float]]] = {name: defaultdict(list) for name in llms}
     for name, llm in llms.items():
         sp = llm.engine.core.speculator
@@ -53,10 +40,7 @@ def main() -> None:
 
         for method in ("propose", "verify", "observe"):
             setattr(sp, method, timed(method, getattr(sp, method)))
-    for _ in range(a.rounds):
-        for i in range(0, len(prompts), a.batch):
-            for llm in llms.values():
-                llm.generate(prompts[i:i + a.batch], params, use_tqdm=False)
+    run_rounds(llms, prompts, a)
     for name, rec in seconds.items():
         print(name)
         for (mode, method), xs in sorted(rec.items()):

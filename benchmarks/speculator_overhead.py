@@ -34,6 +34,32 @@ def engines_and_prompts(model: str | None, threads: int, num_prompts: int, max_t
     return llms, [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
 
 
+def workload_args(doc: str | None, prompts: int = 32) -> argparse.Namespace:
+    """The options the speculator's timing scripts share: model, threads, prompts, batch, rounds,
+    max tokens (threads applied to torch)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    return a
+
+
+def run_rounds(llms: dict, prompts: list, a: argparse.Namespace) -> None:
+    """Greedy generation of the prompts in batches, the engines taking turns batch by batch."""
+    from specserve import SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    for _ in range(a.rounds):
+        for i in range(0, len(prompts), a.batch):
+            for llm in llms.values():
+                llm.generate(prompts[i:i + a.batch], params, use_tqdm=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bundled model")

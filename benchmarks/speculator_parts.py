@@ -9,12 +9,10 @@ Prints, per engine, the total seconds spent in each wrapped method over the run.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import defaultdict
 from typing import Any
 
-import torch
 
 SPECULATOR_PARTS = ("propose", "verify", "observe", "finish", "_grant", "_run_drafters", "_select",
                     "_keep_top_ids", "_tell_drafters", "_sample")
@@ -40,21 +38,10 @@ def wrap(obj: Any, attr: str, totals: dict[str, float], key: str | None = None,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the bundled model")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    from speculator_overhead import engines_and_prompts  # beside this file
+    from speculator_overhead import engines_and_prompts, run_rounds, workload_args  # beside this file
 
-    from specserve import SamplingParams
-
+    a = workload_args(__doc__)
     llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in llms}
     for name, llm in llms.items():
         core, t = llm.engine.core, totals[name]
@@ -68,10 +55,7 @@ def main() -> None:
                 wrap(drafter, m, t)
         wrap(sp.controller, "select", t)
         wrap(sp.verifier, "verify", t)
-    for _ in range(a.rounds):
-        for i in range(0, len(prompts), a.batch):
-            for llm in llms.values():
-                llm.generate(prompts[i:i + a.batch], params, use_tqdm=False)
+    run_rounds(llms, prompts, a)
     for name, t in totals.items():
         s = llms[name].engine.core.speculation_stats()
         print(name, f"steps {s.steps}, grants {dict(s.grants)}, accepted {s.accepted}, drafted with {dict(s.drafted_with)},"
