@@ -26,16 +26,24 @@ start=$(date +%s)
 MAX_JOBS=16 $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 
-start=$(date +%s)
-[ -n "${SKIP_THROUGHPUT:-}" ] || $PY -c "from specserve.cli import main; main()" bench throughput --device cuda --dtype bfloat16 \
-  --load-format dummy --model "${SHAPE:-llama-3.1-8b}" --batch-sizes "${BATCHES:-1,4,16,32}" --max-tokens 128 \
-  --json "$OUT/throughput.json" 2>&1 | grep -v '^\s*$' | tail -20
-echo "throughput: $(( $(date +%s) - start )) s"
+# SPECS: the --spec values to time, one `bench throughput` each (the first one also times transformers
+# unless NO_TRANSFORMERS is set); the JSON of each lands in $OUT/throughput_<spec>.json.
+for spec in ${SPECS:-none}; do
+  [ -n "${SKIP_THROUGHPUT:-}" ] && break
+  start=$(date +%s)
+  extra=()
+  { [ -n "${NO_TRANSFORMERS:-}" ] || [ "$spec" != "${SPECS%% *}" ]; } && extra+=(--no-transformers)
+  $PY -c "from specserve.cli import main; main()" bench throughput --device cuda --dtype bfloat16 \
+    --load-format dummy --model "${SHAPE:-llama-3.1-8b}" --batch-sizes "${BATCHES:-1,4,16,32}" \
+    --max-tokens "${MAX_TOKENS:-128}" --repeats "${REPEATS:-3}" --spec "$spec" "${extra[@]}" \
+    --json "$OUT/throughput_$spec.json" 2>&1 | grep -v '^\s*$' | tail -12
+  echo "throughput --spec $spec: $(( $(date +%s) - start )) s"
+done
 
 start=$(date +%s)
-$PY benchmarks/gpu_step_profile.py --model "${SHAPE:-llama-3.1-8b}" --batch-sizes 1,32 --json "$OUT/step_profile.json" \
-  >"$OUT/step_profile.log" 2>&1
-echo "step profile: rc=$? in $(( $(date +%s) - start )) s"; grep '^{' "$OUT/step_profile.log"
+[ -n "${SKIP_PROFILE:-}" ] || { $PY benchmarks/gpu_step_profile.py --model "${SHAPE:-llama-3.1-8b}" --batch-sizes 1,32 \
+  --json "$OUT/step_profile.json" >"$OUT/step_profile.log" 2>&1
+  echo "step profile: rc=$? in $(( $(date +%s) - start )) s"; grep '^{' "$OUT/step_profile.log"; }
 
 start=$(date +%s)
 SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" \

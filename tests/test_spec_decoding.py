@@ -90,6 +90,21 @@ def test_greedy_speculation_matches_plain_decoding_on_the_int4_native_path(
     assert llm.engine.draft_totals.steps > 0
 
 
+@pytest.mark.parametrize("name", ["ngram-tree", "recycling", "draft-model"])
+def test_greedy_speculation_matches_plain_decoding_through_sdpa(
+    tiny_llama: Path, draft_dir: Path, name: str
+) -> None:
+    """The SDPA backend (the GPU's attention: trees as padded query rows with ancestor masks, the
+    valid rows picked out by host-made indices) gives plain decoding's tokens too, checked here on
+    the CPU where CI runs."""
+    opts = dict(attention_backend="sdpa", max_num_batched_tokens=24)
+    plain = LLM(str(tiny_llama), **opts).generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
+    llm = shuffle_grants(LLM(str(tiny_llama), speculative=spec_configs(tiny_llama, draft_dir)[name], **opts), seed=3)
+    outs = llm.generate(random_prompts(8, seed=21), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.draft_totals.steps > 0 and llm.engine.draft_totals.proposed > 0
+
+
 # ---------------------------------------------------------------------------
 # Lossless sampling, checked exactly on a 4-token vocabulary
 

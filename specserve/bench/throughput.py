@@ -19,6 +19,7 @@ from specserve.bench.datasets import (
     open_dataset,
 )
 from specserve.bench.report import BenchReport, Column, ReportPaths, progress
+from specserve.outputs import DraftCounters
 
 THROUGHPUT_COLUMNS = (
     Column("engine", "engine"),
@@ -95,14 +96,23 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     ours: dict[int, float] = {}
+    drafts: dict[int, DraftCounters] = {}  # of the last timed run at each batch size
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+
+    def run(batch: list[Any], b: int) -> int:
+        outs = llm.generate(batch, params, use_tqdm=False)
+        drafts[b] = DraftCounters()
+        for o in outs:
+            drafts[b].add(o.metrics.speculation)
+        return sum(len(o.token_ids) for o in outs)
+
     with progress(len(batch_sizes) * a.repeats, "specserve runs") as bar:
         for b in batch_sizes:
-            batch = prompts[:b]
-            rate = _median_rate(lambda: sum(len(o.token_ids) for o in llm.generate(batch, params, use_tqdm=False)),
-                                a.repeats, a.device, bar)
+            rate = _median_rate(lambda: run(prompts[:b], b), a.repeats, a.device, bar)
             ours[b] = rate
-            bar.write(f"specserve     batch={b:3d} {rate:8.1f} tok/s", file=sys.stderr)
+            d = drafts[b]
+            bar.write(f"specserve     batch={b:3d} {rate:8.1f} tok/s  drafted {d.proposed} accepted {d.accepted} "
+                      f"in {d.steps} verifying steps", file=sys.stderr)
 
     theirs: dict[int, float] = {}
     if not a.no_transformers:
@@ -112,7 +122,9 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     bw = read_bandwidth_gbs(a.device)
     roofline = bw * 1e9 / weight_bytes
     for b in batch_sizes:
-        row: dict[str, Any] = {"engine": "specserve", "batch_size": b, "tokens_per_s": round(ours[b], 2)}
+        row: dict[str, Any] = {"engine": "specserve", "batch_size": b, "tokens_per_s": round(ours[b], 2),
+                               "spec": a.spec, "drafted": drafts[b].proposed, "accepted": drafts[b].accepted,
+                               "verifying_steps": drafts[b].steps}
         if b in theirs:
             row["ratio_vs_transformers"] = round(ours[b] / theirs[b], 3)
         if b == 1:

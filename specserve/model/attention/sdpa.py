@@ -32,8 +32,10 @@ class AttentionGroup:
         query sees every key
     q_index: [G, Qp] flat token index of each query row (padding rows repeat a valid
         index), or None when row g's single query is token `q_start + g`
-    q_valid: [G, Qp] True for real query rows (unused when q_index is None)
-    out_index: [N] flat token index of each valid query row, in q_valid order
+    valid_rows: [N] position of each real query row in the flattened [G * Qp] rows (integer
+        indices made on the host: a boolean index would make the device wait for the host on
+        every layer, which on a GPU serializes the kernel launches with the kernels)
+    out_index: [N] flat token index of each valid query row, in valid_rows order
     causal_range: (start, end) when the group is one request whose whole context is
         the new tokens [start, end) with a causal mask; SDPA then needs no gather.
     """
@@ -41,7 +43,7 @@ class AttentionGroup:
     kv_blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     q_index: torch.Tensor | None = None
-    q_valid: torch.Tensor | None = None
+    valid_rows: torch.Tensor | None = None
     out_index: torch.Tensor | None = None
     q_start: int = 0
     causal_range: tuple[int, int] | None = None
@@ -127,11 +129,10 @@ class SdpaBackend(AttentionBackend):
         if single_token_run:
             return AttentionGroup(kv_blocks=kv_blocks, mask=tiled, q_start=first)
         offsets = torch.tensor(offsets_list)
-        q_index = (offsets[:, None] + torch.minimum(arange_q[None, :], n_new[:, None] - 1)).to(device)
-        q_valid = q_valid.to(device)
-        return AttentionGroup(
-            kv_blocks=kv_blocks, mask=tiled, q_index=q_index, q_valid=q_valid, out_index=q_index[q_valid]
-        )
+        q_index = offsets[:, None] + torch.minimum(arange_q[None, :], n_new[:, None] - 1)
+        valid_rows = q_valid.flatten().nonzero().flatten()  # on the host, once a step
+        return AttentionGroup(kv_blocks=kv_blocks, mask=tiled, q_index=q_index.to(device),
+                              valid_rows=valid_rows.to(device), out_index=q_index.flatten()[valid_rows].to(device))
 
     def forward(
         self,
@@ -171,7 +172,7 @@ class SdpaBackend(AttentionBackend):
             if group.q_index is None:
                 out[group.q_start : group.q_start + g] = o[:, 0]
             else:
-                out[group.out_index] = o[group.q_valid]
+                out[group.out_index] = o.flatten(0, 1)[group.valid_rows]
         return out
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
