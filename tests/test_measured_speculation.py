@@ -117,6 +117,54 @@ def test_a_bucket_born_off_measures_plain_steps_before_it_probes() -> None:
     assert guard.stats().probes == modes.count(Mode.PROBE) == 2
 
 
+def run_drafters(guard: GoodputGuard, steps: int, start: int, gains: dict[str, float],
+                 turns: bool = True) -> list[dict[str, Mode]]:
+    """`steps` steps of 8 requests at KEY under several drafters: a plain step emits 8 tokens at
+    10 ms a token; a drafted step verifies the trees of one drafter among those the guard lets draft
+    (taking turns, or the first listed: the one the acceptance model values most), which emits 16
+    tokens at 10 ms / gain a token."""
+    said = []
+    for n in range(start, start + steps):
+        modes = guard.modes(KEY, list(gains), n)
+        mode = Mode.PROBE if Mode.PROBE in modes.values() else Mode.DRAFT if Mode.DRAFT in modes.values() else Mode.PLAIN
+        names = [name for name, m in modes.items() if m is mode and mode is not Mode.PLAIN]
+        if names:
+            name = names[n % len(names)] if turns else names[0]
+            guard.record_step(KEY, modes, n, {name}, 16 * 0.010 / gains[name], 16, 8)
+        else:
+            guard.record_step(KEY, modes, n, set(), 8 * 0.010, 8, 8)
+        said.append(modes)
+    return said
+
+
+def test_under_auto_a_drafter_whose_drafts_lose_is_switched_off_while_one_that_pays_goes_on() -> None:
+    """Each drafter is judged by the steps that verified its own trees: at a shape where one
+    drafter's drafts pay and another's lose, the average of the two (which lost here, and
+    switched drafting off for both) no longer decides; the loser is off and probed now and
+    then, the winner drafts."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=128))
+    said = run_drafters(guard, 400, 0, {"good": 1.5, "bad": 0.4})
+    later = said[100:]
+    assert all(m["good"] is Mode.DRAFT for m in later if m["bad"] is not Mode.PLAIN or m["good"] is not Mode.PLAIN)
+    assert sum(m["good"] is Mode.DRAFT for m in later) > 0.9 * len(later)
+    assert sum(m["bad"] is Mode.PROBE for m in later) <= 3  # every 128 steps at most
+    assert guard.stats().turned_off == 1 and guard.stats().buckets_off == 1
+
+
+def test_drafters_never_judged_at_a_shape_go_off_with_the_first_that_loses_there() -> None:
+    """With drafts that always lose, every drafter costs about what one would: those not judged yet
+    at the shape go off with the first and are probed on its schedule; once judged, each goes its
+    own way (a probe that pays turns on that drafter only)."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=128))
+    said = run_drafters(guard, 300, 0, {"a": 0.4, "b": 0.4, "c": 0.4}, turns=False)
+    drafted_steps = [m for m in said if Mode.DRAFT in m.values()]
+    assert len(drafted_steps) == 3  # one drafter's min_steps, not three
+    probes = [i for i, m in enumerate(said) if Mode.PROBE in m.values()]
+    assert probes == [3 + 16, 3 + 16 + 32, 3 + 16 + 32 + 64, 3 + 16 + 32 + 64 + 128]  # one schedule for all three
+    said = run_drafters(guard, 300, 300, {"b": 2.0, "a": 0.4, "c": 0.4}, turns=False)
+    assert said[-1] == {"a": Mode.PLAIN, "b": Mode.DRAFT, "c": Mode.PLAIN}
+
+
 @pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])
 def test_bad_guard_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"guard {field}"):
@@ -196,7 +244,9 @@ def test_the_guard_turns_garbage_drafts_off_and_good_ones_back_on(tiny_llama: Pa
     assert steps[0] <= 1.05 * plain_steps[0]
     assert verified <= 0.05 * tokens, f"{verified} draft tokens verified beside {tokens} emitted"
 
-    speculator.drafters = {"oracle": Oracle({tuple(p): o for p, o in zip(prompts, plain)})}
+    # the same drafter (by name) now drafting well: the guard judges each drafter on its own, so
+    # its bucket, switched off above, must be probed back on
+    speculator.drafters = {"suffix": Oracle({tuple(p): o for p, o in zip(prompts, plain)})}
     steps[0] = 0
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
     after = llm.engine.speculation_stats()
@@ -276,8 +326,9 @@ class SayGuard(GoodputGuard):
         super().__init__()
         self.say = say
 
-    def mode(self, key: tuple[int, int], step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
-        return self.say
+    def modes(self, shape: tuple[int, int], drafters: list[str], step_no: int,
+              requests: frozenset[str] = frozenset()) -> dict[str, Mode]:
+        return dict.fromkeys(drafters, self.say)
 
 
 @pytest.mark.parametrize("say", [Mode.PLAIN, Mode.DRAFT])
@@ -316,8 +367,9 @@ class RandomGuard(GoodputGuard):
         super().__init__()
         self.rng = random.Random(seed)
 
-    def mode(self, key: tuple[int, int], step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
-        return self.rng.choice(list(Mode))
+    def modes(self, shape: tuple[int, int], drafters: list[str], step_no: int,
+              requests: frozenset[str] = frozenset()) -> dict[str, Mode]:
+        return {name: self.rng.choice(list(Mode)) for name in drafters}
 
 
 def test_sampling_keeps_the_exact_distribution_whatever_the_guard_says(tiny_model_factory) -> None:

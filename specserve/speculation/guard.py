@@ -17,6 +17,14 @@ each); a probe that pays turns the bucket back on. The waits start short again, 
 when every request the drafts lost with has left the bucket's steps: their loss says nothing of
 the requests that came after (at batch 1, the next request).
 
+Each drafter has its own bucket at each shape (`modes`, `record_step`): a drafted step is judged in
+the buckets of the drafters whose trees it verified, a plain step is every drafter's reference. So
+under `auto`, where a step verifies whichever drafter's tree is valued most, a drafter whose drafts
+lose at a shape is switched off there while one whose drafts pay goes on drafting (one shared
+bucket averaged the two, and at batch 1 switched both off where suffix alone paid). Drafters not
+yet judged at a shape go off with the first that loses there and share its probe schedule, so
+drafts that always lose cost what one drafter's would.
+
 Why this never changes what a request outputs: the guard chooses whether a step drafts from the
 seconds and token counts of steps already taken, before the step's drafts are drawn or verified;
 it never reads the step's own draws. For any draft tree chosen from the past (none included),
@@ -106,7 +114,7 @@ class GoodputGuard:
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config or GuardConfig()
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[tuple, _Bucket] = {}  # (rows, context) or (rows, context, drafter)
         self._stats = GuardStats()
 
     @staticmethod
@@ -117,9 +125,24 @@ class GoodputGuard:
         context = max(attended // max(rows, 1), 1)
         return r, (context.bit_length() - 1) // 2
 
-    def mode(self, key: tuple[int, int], step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
+    def modes(self, shape: tuple[int, int], drafters: list[str], step_no: int,
+              requests: frozenset[str] = frozenset()) -> dict[str, Mode]:
+        """The say on each drafter for a step of `shape` (`key`) decoding `requests`: each drafter
+        has a bucket of its own at each shape (the bucket `shape + (drafter,)`), judged by the
+        drafted steps that verified its trees against the shape's plain steps, which every
+        drafter's bucket records. A plain reference for any bucket that is on makes the step plain
+        for all; else an off bucket says PLAIN or PROBE, an on one DRAFT."""
+        keys = {name: (*shape, name) for name in drafters}
+        said = {name: self._say(self._bucket(k), step_no, requests) for name, k in keys.items()}
+        if any(m is Mode.PLAIN and not self._buckets[keys[n]].off for n, m in said.items()):
+            return dict.fromkeys(drafters, Mode.PLAIN)
+        return said
+
+    def mode(self, key: tuple, step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
         """The say on a step at `key` decoding `requests`."""
-        b = self._bucket(key)
+        return self._say(self._bucket(key), step_no, requests)
+
+    def _say(self, b: _Bucket, step_no: int, requests: frozenset[str]) -> Mode:
         b.requests = requests
         if b.off and requests and b.off_for and not requests & b.off_for:
             # every request the drafts lost with has left: that loss says nothing of these (at batch
@@ -132,16 +155,39 @@ class GoodputGuard:
             return Mode.PLAIN  # the reference first, and again when it is old
         return Mode.DRAFT
 
-    def record(self, key: tuple[int, int], mode: Mode, step_no: int, drafted: bool, seconds: float,
+    def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
+                    seconds: float, tokens: int, rows: int) -> None:
+        """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
+        `tokens` for `rows` requests: a plain step (`drafted_by` empty) is every drafter's reference;
+        a drafted one is judged in the buckets of the drafters whose nodes it verified. A drafter
+        that probed on a drafted step without any of its trees verified (another drafter's were
+        valued more) waits for its next probe as if it had lost: probes stay as rare as one
+        drafter's, however many drafters are off."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if modes and all(m is Mode.PLAIN for m in modes.values()):
+            self._count(plain_steps=1)
+        for name in (drafted_by or modes):
+            self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, bool(drafted_by), seconds, tokens, rows)
+        if drafted_by:
+            for name, mode in modes.items():
+                if mode is Mode.PROBE and name not in drafted_by:
+                    self._back_off(self._bucket((*shape, name)), step_no)
+
+    def record(self, key: tuple, mode: Mode, step_no: int, drafted: bool, seconds: float,
                tokens: int, rows: int) -> None:
         """A step at `key`, run in `mode`, took `seconds` and emitted `tokens` for `rows` requests
         (drafted: it verified at least one draft node)."""
         if tokens <= 0 or seconds <= 0:
             return
-        c = self.config
-        b = self._bucket(key)
         if mode is Mode.PLAIN:
             self._count(plain_steps=1)
+        self._record(key, mode, step_no, drafted, seconds, tokens, rows)
+
+    def _record(self, key: tuple, mode: Mode, step_no: int, drafted: bool, seconds: float, tokens: int,
+                rows: int) -> None:
+        c = self.config
+        b = self._bucket(key)
         if not drafted:
             b.plain.add(seconds / tokens, c.decay)
             b.last_plain = step_no
@@ -164,22 +210,34 @@ class GoodputGuard:
             self._back_off(b, step_no)
             b.off = True
             self._count(turned_off=1, buckets_off=1)
+            self._off_with(key, b)
         elif b.on_since >= c.control_every:
             b.wait = 0  # it paid for a while: a later loss starts from short probes again
 
-    def _bucket(self, key: tuple[int, int]) -> _Bucket:
+    def _bucket(self, key: tuple) -> _Bucket:
         """The bucket at `key`; a new one starts off where the nearest context bucket with the same
-        rows is off (as the context grows, a shape where drafts lost is not tried afresh)."""
+        rows (and drafter) is off (as the context grows, a shape where drafts lost is not tried afresh)."""
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket()
-            near = [k for k in self._buckets if k[0] == key[0] and k != key]
+            near = [k for k in self._buckets if k[0] == key[0] and k[2:] == key[2:] and k != key]
             if near:
                 n = self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))]
                 if n.off:
                     b.off, b.wait, b.next_probe = True, n.wait, n.next_probe
                     self._count(buckets_off=1)
         return b
+
+    def _off_with(self, key: tuple, b: _Bucket) -> None:
+        """Another drafter's bucket at this shape that has never been judged (none of its trees
+        verified here yet) goes off with `b`, on the same probe schedule: where one drafter's drafts
+        lost, the others are tried by probes, each judged on its own, rather than each by
+        `min_steps` drafted steps of the controller's (with drafts that always lose, the probes of
+        all of them then cost about what one drafter's would)."""
+        for k, other in self._buckets.items():
+            if k[:2] == key[:2] and k != key and len(k) == len(key) and not other.off and other.seconds.steps == 0:
+                other.off, other.wait, other.next_probe, other.off_for = True, b.wait, b.next_probe, b.off_for
+                self._count(buckets_off=1)
 
     def _back_off(self, b: _Bucket, step_no: int) -> None:
         """Off until a probe: the wait doubles with every loss since the bucket last paid for long."""

@@ -185,7 +185,8 @@ class _Step:
     plain_seconds: float | None = None  # the step's predicted time without drafts (the pace's yardstick)
     propose_seconds: float = 0.0
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
-    guard: tuple[tuple[int, int], Mode] | None = None  # the guard's bucket and its say, on decode-only steps
+    guard: tuple[tuple[int, int], dict[str, Mode]] | None = None  # on decode-only steps: the shape, the guard's say per drafter
+    mode: Mode = Mode.DRAFT  # the step's: PROBE if a drafter probes, else DRAFT if one may draft, else PLAIN
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
     def row(self, index: int) -> _Row:
@@ -249,15 +250,13 @@ class Speculator:
         self._open = True
         if self.enabled and decodes:
             self._step.plain_seconds = self.controller.predict(base)
+        self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
         if self.enabled and self.guard is not None and base.tokens == sampling_rows:  # decode-only
-            key = self.guard.key(sampling_rows, base.attended)
-            requests = frozenset(d.request.view.request_id for d in decodes)
-            self._step.guard = (key, self.guard.mode(key, self._step_no, requests))
+            self._ask_guard(decodes, base, sampling_rows)
         decodes = [d for d in decodes if d.request.budget > 0]
         if not self.enabled or not decodes or self._mode is Mode.PLAIN:
             self._step.grants = [0] * len(decodes)
             return {}
-        self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
         try:
             offers = [_Offer(d, self._choose(d.request)) for d in decodes]
             self._grant(offers, base, sampling_rows)
@@ -270,10 +269,28 @@ class Speculator:
             self._step = _Step(shape=base, rows={i: _Row(view=r.view) for i, r in self._step.rows.items()})
             return {}
 
+    def _ask_guard(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> None:
+        """The guard's say on each drafter at this step's shape: a step probes with the drafters
+        whose probe is due, else drafts with those it has not switched off, else decodes plainly
+        (so under `auto` a drafter whose drafts lose here stops being asked, while one that pays
+        goes on)."""
+        assert self.guard is not None
+        shape = self.guard.key(sampling_rows, base.attended)
+        requests = frozenset(d.request.view.request_id for d in decodes)
+        modes = self.guard.modes(shape, list(self._active), self._step_no, requests)
+        self._step.guard = (shape, modes)
+        for mode in (Mode.PROBE, Mode.DRAFT):
+            names = [n for n, m in modes.items() if m is mode]
+            if names:
+                self._step.mode = mode
+                self._active = {n: self._active[n] for n in names}
+                return
+        self._step.mode = Mode.PLAIN
+
     @property
     def _mode(self) -> Mode:
-        """The guard's say on this step (DRAFT where it has none)."""
-        return Mode.DRAFT if self._step.guard is None else self._step.guard[1]
+        """The step's say from the guard (DRAFT where it has none)."""
+        return self._step.mode
 
     def _choose(self, request: DraftRequest) -> str:
         """The drafter expected to give this request the most accepted tokens."""
@@ -516,14 +533,15 @@ class Speculator:
     def _learning(self) -> frozenset[str]:
         """The drafters that learn from the target's rows this step: those that drafted this step
         or lately, and now and then the others (learning costs a top-k over every row's logits).
-        None on a step the guard keeps plain: where drafts do not pay, speculation costs nothing
-        it can avoid (the learners learn again once the guard's probes find drafts paying)."""
+        None on a step the guard keeps plain, and none that the guard has switched off at this
+        shape: where drafts do not pay, speculation costs nothing it can avoid (the learners learn
+        again once the guard's probes find drafts paying)."""
         step = self._step
         if self._mode is Mode.PLAIN:
             return frozenset()
         now = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
         return frozenset(
-            name for name, d in self.drafters.items() if d.target_topk > 0 and (
+            name for name, d in self._active.items() if d.target_topk > 0 and (
                 name in now or self._step_no - self._used_at.get(name, -(1 << 30)) < self.explore_every
                 or self._step_no % self.LEARN_EVERY == 0
             )
@@ -606,10 +624,13 @@ class Speculator:
                     pace.tokens += len(r.verdict.tokens)  # type: ignore[union-attr]
         self._grants.update(step.grants)
         if step.guard is not None and self.guard is not None:
-            drafted = any(r.drafted is not None or r.forced is not None for r in step.rows.values())
+            shape, modes = step.guard
+            drafted_by = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
+            if not drafted_by and any(r.forced is not None for r in step.rows.values()):  # a grammar's nodes only
+                drafted_by = {n for n, m in modes.items() if m is step.mode}
             done = [r for r in step.rows.values() if r.ok]
             emitted = sum(len(r.verdict.tokens) for r in done)  # type: ignore[union-attr]
-            self.guard.record(step.guard[0], step.guard[1], self._step_no, drafted, seconds, emitted, len(done))
+            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, emitted, len(done))
         deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
                                         forced_drafted=sum(r.forced[1] for r in step.rows.values() if r.forced),
                                         forced_accepted=forced_accepted)
