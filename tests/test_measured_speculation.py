@@ -165,6 +165,16 @@ def test_drafters_never_judged_at_a_shape_go_off_with_the_first_that_loses_there
     assert said[-1] == {"a": Mode.PLAIN, "b": Mode.DRAFT, "c": Mode.PLAIN}
 
 
+def test_drafters_off_at_a_shape_probe_together() -> None:
+    """Drafters switched off at a shape at different steps probe on one schedule: each probe step
+    tries every one of them, so probes cost what one drafter's would."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=128))
+    said = run_drafters(guard, 400, 0, {"a": 0.4, "b": 0.4})  # taking turns: judged, and off, apart
+    probes = [m for m in said if Mode.PROBE in m.values()]
+    assert probes and all(m == {"a": Mode.PROBE, "b": Mode.PROBE} for m in probes)
+    assert len(probes) <= 5  # waits of 16, 32, 64, 128, 128
+
+
 @pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])
 def test_bad_guard_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"guard {field}"):

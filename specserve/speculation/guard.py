@@ -136,6 +136,10 @@ class GoodputGuard:
         said = {name: self._say(self._bucket(k), step_no, requests) for name, k in keys.items()}
         if any(m is Mode.PLAIN and not self._buckets[keys[n]].off for n, m in said.items()):
             return dict.fromkeys(drafters, Mode.PLAIN)
+        if Mode.PROBE in said.values():  # every drafter that is off here probes with it: one probe schedule a shape
+            for name, b in ((n, self._buckets[k]) for n, k in keys.items()):
+                if b.off and b.plain.steps:
+                    said[name] = Mode.PROBE
         return said
 
     def mode(self, key: tuple, step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
@@ -161,8 +165,9 @@ class GoodputGuard:
         `tokens` for `rows` requests: a plain step (`drafted_by` empty) is every drafter's reference;
         a drafted one is judged in the buckets of the drafters whose nodes it verified. A drafter
         that probed on a drafted step without any of its trees verified (another drafter's were
-        valued more) waits for its next probe as if it had lost: probes stay as rare as one
-        drafter's, however many drafters are off."""
+        valued more) waits for its next probe as if it had lost; and `modes` has every drafter that
+        is off probe when one does: probes stay about as rare as one drafter's, however many
+        drafters are off."""
         if tokens <= 0 or seconds <= 0:
             return
         if modes and all(m is Mode.PLAIN for m in modes.values()):
