@@ -133,7 +133,7 @@ def _control_metrics(c: SpeculationStats) -> Iterator[Metric]:
     yield CounterMetricFamily("specserve_spec_guard_probes",
                               "Steps the guard drafted on to measure whether drafts pay again", value=c.guard_probes)
     yield CounterMetricFamily("specserve_spec_guard_turned_off",
-                              "Times a batch shape was switched to plain decoding by measurement",
+                              "Times a drafter was switched off at a batch shape by measurement",
                               value=c.guard_turned_off)
 
 

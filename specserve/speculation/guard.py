@@ -103,8 +103,8 @@ class _Bucket:
 @dataclass(frozen=True)
 class GuardStats:
     plain_steps: int = 0  # decode steps the guard kept plain (bucket off, or control)
-    probes: int = 0
-    turned_off: int = 0
+    probes: int = 0  # steps that probed (and drafted)
+    turned_off: int = 0  # times a bucket (a drafter at a shape) was switched off
     turned_on: int = 0
     buckets_off: int = 0  # now
 
@@ -172,6 +172,8 @@ class GoodputGuard:
             return
         if modes and all(m is Mode.PLAIN for m in modes.values()):
             self._count(plain_steps=1)
+        if drafted_by and Mode.PROBE in modes.values():
+            self._count(probes=1)  # a step, however many drafters it judged
         for name in (drafted_by or modes):
             self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, bool(drafted_by), seconds, tokens, rows)
         if drafted_by:
@@ -187,6 +189,8 @@ class GoodputGuard:
             return
         if mode is Mode.PLAIN:
             self._count(plain_steps=1)
+        if drafted and mode is Mode.PROBE:
+            self._count(probes=1)
         self._record(key, mode, step_no, drafted, seconds, tokens, rows)
 
     def _record(self, key: tuple, mode: Mode, step_no: int, drafted: bool, seconds: float, tokens: int,
@@ -203,7 +207,6 @@ class GoodputGuard:
         b.tokens.add(tokens, c.decay)
         b.rows.add(rows, c.decay)
         if mode is Mode.PROBE:
-            self._count(probes=1)
             if b.pays(1.0):
                 b.off, b.on_since = False, 0
                 self._count(turned_on=1, buckets_off=-1)

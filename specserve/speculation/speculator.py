@@ -75,7 +75,7 @@ class SpeculationStats:
     forced_accepted: int = 0
     guard_plain_steps: int = 0  # decode steps the goodput guard kept plain (drafts lost there, or a control)
     guard_probes: int = 0  # steps it drafted on to see whether drafts pay again
-    guard_turned_off: int = 0  # times a batch shape was switched off because drafts delivered less
+    guard_turned_off: int = 0  # times a drafter was switched off at a batch shape because its drafts delivered less
 
     @property
     def cost_relative_error(self) -> float:
