@@ -28,11 +28,12 @@ echo "build: $(( $(date +%s) - start )) s"
 
 # SPECS: the --spec values to time, one `bench throughput` each (the first one also times transformers
 # unless NO_TRANSFORMERS is set); the JSON of each lands in $OUT/throughput_<spec>.json.
-for spec in ${SPECS:-none}; do
+specs=${SPECS:-none}
+for spec in $specs; do
   [ -n "${SKIP_THROUGHPUT:-}" ] && break
   start=$(date +%s)
   extra=()
-  { [ -n "${NO_TRANSFORMERS:-}" ] || [ "$spec" != "${SPECS%% *}" ]; } && extra+=(--no-transformers)
+  { [ -n "${NO_TRANSFORMERS:-}" ] || [ "$spec" != "${specs%% *}" ]; } && extra+=(--no-transformers)
   $PY -c "from specserve.cli import main; main()" bench throughput --device cuda --dtype bfloat16 \
     --load-format dummy --model "${SHAPE:-llama-3.1-8b}" --batch-sizes "${BATCHES:-1,4,16,32}" \
     --max-tokens "${MAX_TOKENS:-128}" --repeats "${REPEATS:-3}" --spec "$spec" "${extra[@]}" \

@@ -28,10 +28,11 @@ def run(guard: GoodputGuard, steps: int, start: int, plain_spt: float, drafted_s
     `drafted_spt`."""
     modes = []
     for n in range(start, start + steps):
-        mode = guard.mode(KEY, n, requests)
+        mode = guard.modes(KEY, ["d"], n, requests)["d"]
         drafted = mode is not Mode.PLAIN
         tokens = drafted_tokens if drafted else 8
-        guard.record(KEY, mode, n, drafted, tokens * (drafted_spt if drafted else plain_spt), tokens, 8)
+        guard.record_step(KEY, {"d": mode}, n, {"d"} if drafted else set(),
+                          tokens * (drafted_spt if drafted else plain_spt), tokens, 8)
         modes.append(mode)
     return modes
 
@@ -95,9 +96,9 @@ def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
     guard = GoodputGuard(GuardConfig(probe_after=16))
     run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)
     longer = GoodputGuard.key(8, 8 * 1000)
-    assert longer != KEY and guard.mode(longer, 11) is Mode.PLAIN
-    assert guard.mode(GoodputGuard.key(2, 2 * 100), 11) is Mode.PLAIN  # a new shape's reference step
-    assert guard.mode(GoodputGuard.key(2, 2 * 100), 12) is Mode.PLAIN  # still: nothing recorded yet
+    assert longer != KEY and guard.modes(longer, ["d"], 11)["d"] is Mode.PLAIN
+    assert guard.modes(GoodputGuard.key(2, 2 * 100), ["d"], 11)["d"] is Mode.PLAIN  # a new shape's reference step
+    assert guard.modes(GoodputGuard.key(2, 2 * 100), ["d"], 12)["d"] is Mode.PLAIN  # still: nothing recorded yet
 
 
 def test_a_bucket_born_off_measures_plain_steps_before_it_probes() -> None:
@@ -109,9 +110,9 @@ def test_a_bucket_born_off_measures_plain_steps_before_it_probes() -> None:
     longer = GoodputGuard.key(8, 8 * 1000)
     modes = []
     for n in range(100, 140):
-        mode = guard.mode(longer, n)
+        mode = guard.modes(longer, ["d"], n)["d"]
         drafted = mode is not Mode.PLAIN
-        guard.record(longer, mode, n, drafted, 0.08 if not drafted else 0.16, 8, 8)
+        guard.record_step(longer, {"d": mode}, n, {"d"} if drafted else set(), 0.08 if not drafted else 0.16, 8, 8)
         modes.append(mode)
     assert modes[:2] == [Mode.PLAIN, Mode.PROBE] and set(modes[2:33]) == {Mode.PLAIN}  # waits 32 after
     assert guard.stats().probes == modes.count(Mode.PROBE) == 2
@@ -173,6 +174,26 @@ def test_drafters_off_at_a_shape_probe_together() -> None:
     probes = [m for m in said if Mode.PROBE in m.values()]
     assert probes and all(m == {"a": Mode.PROBE, "b": Mode.PROBE} for m in probes)
     assert len(probes) <= 5  # waits of 16, 32, 64, 128, 128
+
+
+def test_a_probe_that_verifies_nothing_of_a_drafter_waits_again_and_leaves_the_one_that_pays_drafting() -> None:
+    """A drafter that is off and proposes nothing on its probes did not lose: it waits as long
+    again (not twice as long), and, above all, does not probe on every step, which would keep the
+    drafter that pays from drafting (a probe step drafts with the probing drafters only)."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=128))
+    run_drafters(guard, 60, 0, {"good": 1.5, "bad": 0.4})  # "bad" is off, "good" drafts
+    said = []
+    for n in range(60, 400):
+        modes = guard.modes(KEY, ["good", "bad"], n)
+        if modes["good"] is Mode.DRAFT and modes["bad"] is not Mode.PROBE:
+            guard.record_step(KEY, modes, n, {"good"}, 16 * 0.010 / 1.5, 16, 8)
+        else:  # a control step, or a probe on which "bad" proposes nothing
+            guard.record_step(KEY, modes, n, set(), 8 * 0.010, 8, 8)
+        said.append(modes)
+    probes = [i for i, m in enumerate(said) if m["bad"] is Mode.PROBE]
+    gaps = {b - a for a, b in zip(probes, probes[1:])}
+    assert len(probes) >= 3 and len(gaps) == 1 and min(gaps) >= 16, probes
+    assert sum(m["good"] is Mode.DRAFT and m["bad"] is not Mode.PROBE for m in said) > 0.85 * len(said)
 
 
 @pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])

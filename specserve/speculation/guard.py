@@ -1,5 +1,5 @@
 """A measured check that speculation pays: realized tokens per second with drafts against the same
-engine's rate without them, per batch shape.
+engine's rate without them, per batch shape and drafter.
 
 The controller decides from models (acceptance rates, a step-cost fit), and models are wrong on
 inputs they have not seen. The guard looks only at what happened: for decode-only steps, bucketed by
@@ -12,8 +12,10 @@ once they deliver fewer tokens per second (beyond `margin`, over at least `min_s
 steps), or emit no more tokens than requests (every draft rejected, whatever the clock says under
 load), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
 for a probe now and then (after `probe_after` steps, doubling after every probe that loses, up to
-`probe_max`), a step on which every decode drafts (the controller's choice, at least one node
-each); a probe that pays turns the bucket back on. The waits start short again, and a probe comes at once,
+`probe_max`), a step on which every decode drafts with the drafters that are off (the controller's
+choice, at least one node each); a probe that pays turns the bucket back on. A probe that verified
+none of a drafter's trees (it proposed nothing, or another's tree was valued more) did not lose: that
+drafter waits as long again, not twice as long. The waits start short again, and a probe comes at once,
 when every request the drafts lost with has left the bucket's steps: their loss says nothing of
 the requests that came after (at batch 1, the next request).
 
@@ -22,8 +24,9 @@ the buckets of the drafters whose trees it verified, a plain step is every draft
 under `auto`, where a step verifies whichever drafter's tree is valued most, a drafter whose drafts
 lose at a shape is switched off there while one whose drafts pay goes on drafting (one shared
 bucket averaged the two, and at batch 1 switched both off where suffix alone paid). Drafters not
-yet judged at a shape go off with the first that loses there and share its probe schedule, so
-drafts that always lose cost what one drafter's would.
+yet judged at a shape go off with the first that loses there, and the drafters that are off at a
+shape probe together, so drafts that always lose cost about what one drafter's would. A step whose
+only verified nodes are a grammar's forced text judges no drafter.
 
 Why this never changes what a request outputs: the guard chooses whether a step drafts from the
 seconds and token counts of steps already taken, before the step's drafts are drawn or verified;
@@ -41,9 +44,9 @@ from dataclasses import dataclass, field
 
 
 class Mode(enum.Enum):
-    DRAFT = "draft"  # the controller decides
-    PLAIN = "plain"  # no drafts this step (the bucket is off, or a control step)
-    PROBE = "probe"  # the bucket is off, and this step tries drafting for every decode
+    DRAFT = "draft"  # the drafter may draft: the controller decides
+    PLAIN = "plain"  # not this step (its bucket is off, or a control step for the shape)
+    PROBE = "probe"  # its bucket is off, and this step tries it for every decode
 
 
 @dataclass(frozen=True)
@@ -104,17 +107,18 @@ class _Bucket:
 class GuardStats:
     plain_steps: int = 0  # decode steps the guard kept plain (bucket off, or control)
     probes: int = 0  # steps that probed (and drafted)
-    turned_off: int = 0  # times a bucket (a drafter at a shape) was switched off
-    turned_on: int = 0
-    buckets_off: int = 0  # now
+    turned_off: int = 0  # times a drafter at a shape was switched off by its own drafts' loss
+    turned_on: int = 0  # ... and back on by a probe (also one that went off with another, see _off_with)
+    buckets_off: int = 0  # (drafter, shape) buckets off now
 
 
 class GoodputGuard:
-    """Per batch shape: whether this step may draft, from what drafted and plain steps delivered."""
+    """Per batch shape and drafter: whether this step may draft with it, from what drafted and plain
+    steps delivered."""
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config or GuardConfig()
-        self._buckets: dict[tuple, _Bucket] = {}  # (rows, context) or (rows, context, drafter)
+        self._buckets: dict[tuple[int, int, str], _Bucket] = {}  # by (rows, context, drafter)
         self._stats = GuardStats()
 
     @staticmethod
@@ -142,10 +146,6 @@ class GoodputGuard:
                     said[name] = Mode.PROBE
         return said
 
-    def mode(self, key: tuple, step_no: int, requests: frozenset[str] = frozenset()) -> Mode:
-        """The say on a step at `key` decoding `requests`."""
-        return self._say(self._bucket(key), step_no, requests)
-
     def _say(self, b: _Bucket, step_no: int, requests: frozenset[str]) -> Mode:
         b.requests = requests
         if b.off and requests and b.off_for and not requests & b.off_for:
@@ -160,41 +160,35 @@ class GoodputGuard:
         return Mode.DRAFT
 
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
-                    seconds: float, tokens: int, rows: int) -> None:
+                    seconds: float, tokens: int, rows: int, judged: bool = True) -> None:
         """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
         `tokens` for `rows` requests: a plain step (`drafted_by` empty) is every drafter's reference;
-        a drafted one is judged in the buckets of the drafters whose nodes it verified. A drafter
-        that probed on a drafted step without any of its trees verified (another drafter's were
-        valued more) waits for its next probe as if it had lost; and `modes` has every drafter that
-        is off probe when one does: probes stay about as rare as one drafter's, however many
-        drafters are off."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        if modes and all(m is Mode.PLAIN for m in modes.values()):
-            self._count(plain_steps=1)
-        if drafted_by and Mode.PROBE in modes.values():
-            self._count(probes=1)  # a step, however many drafters it judged
-        for name in (drafted_by or modes):
-            self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, bool(drafted_by), seconds, tokens, rows)
-        if drafted_by:
-            for name, mode in modes.items():
-                if mode is Mode.PROBE and name not in drafted_by:
-                    self._back_off(self._bucket((*shape, name)), step_no)
+        a drafted one is judged in the buckets of the drafters whose nodes it verified; `judged`
+        False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
+        drafter that probed without any of its trees verified did not lose: it probes next with
+        the probers that were judged and are still off (one schedule for the drafters off at a
+        shape), or, where none was, waits as long again."""
+        if tokens > 0 and seconds > 0 and judged:
+            if modes and all(m is Mode.PLAIN for m in modes.values()):
+                self._count(plain_steps=1)
+            if drafted_by and Mode.PROBE in modes.values():
+                self._count(probes=1)  # a step, however many drafters it judged
+            for name in (drafted_by or modes):
+                self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, bool(drafted_by), seconds, tokens,
+                             rows)
+        else:
+            drafted_by = set()
+        group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and (b := self._bucket((*shape, n))).off]
+        for name, mode in modes.items():
+            if mode is Mode.PROBE and name not in drafted_by:
+                b = self._bucket((*shape, name))
+                if group:
+                    b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
+                else:
+                    b.next_probe = step_no + max(b.wait, self.config.probe_after)
 
-    def record(self, key: tuple, mode: Mode, step_no: int, drafted: bool, seconds: float,
-               tokens: int, rows: int) -> None:
-        """A step at `key`, run in `mode`, took `seconds` and emitted `tokens` for `rows` requests
-        (drafted: it verified at least one draft node)."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        if mode is Mode.PLAIN:
-            self._count(plain_steps=1)
-        if drafted and mode is Mode.PROBE:
-            self._count(probes=1)
-        self._record(key, mode, step_no, drafted, seconds, tokens, rows)
-
-    def _record(self, key: tuple, mode: Mode, step_no: int, drafted: bool, seconds: float, tokens: int,
-                rows: int) -> None:
+    def _record(self, key: tuple[int, int, str], mode: Mode, step_no: int, drafted: bool, seconds: float,
+                tokens: int, rows: int) -> None:
         c = self.config
         b = self._bucket(key)
         if not drafted:
@@ -222,13 +216,13 @@ class GoodputGuard:
         elif b.on_since >= c.control_every:
             b.wait = 0  # it paid for a while: a later loss starts from short probes again
 
-    def _bucket(self, key: tuple) -> _Bucket:
+    def _bucket(self, key: tuple[int, int, str]) -> _Bucket:
         """The bucket at `key`; a new one starts off where the nearest context bucket with the same
-        rows (and drafter) is off (as the context grows, a shape where drafts lost is not tried afresh)."""
+        rows and drafter is off (as the context grows, a shape where drafts lost is not tried afresh)."""
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket()
-            near = [k for k in self._buckets if k[0] == key[0] and k[2:] == key[2:] and k != key]
+            near = [k for k in self._buckets if k[0] == key[0] and k[2] == key[2] and k != key]
             if near:
                 n = self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))]
                 if n.off:
@@ -236,14 +230,14 @@ class GoodputGuard:
                     self._count(buckets_off=1)
         return b
 
-    def _off_with(self, key: tuple, b: _Bucket) -> None:
+    def _off_with(self, key: tuple[int, int, str], b: _Bucket) -> None:
         """Another drafter's bucket at this shape that has never been judged (none of its trees
         verified here yet) goes off with `b`, on the same probe schedule: where one drafter's drafts
         lost, the others are tried by probes, each judged on its own, rather than each by
         `min_steps` drafted steps of the controller's (with drafts that always lose, the probes of
         all of them then cost about what one drafter's would)."""
         for k, other in self._buckets.items():
-            if k[:2] == key[:2] and k != key and len(k) == len(key) and not other.off and other.seconds.steps == 0:
+            if k[:2] == key[:2] and k != key and not other.off and other.seconds.steps == 0:
                 other.off, other.wait, other.next_probe, other.off_for = True, b.wait, b.next_probe, b.off_for
                 self._count(buckets_off=1)
 

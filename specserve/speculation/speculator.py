@@ -626,11 +626,11 @@ class Speculator:
         if step.guard is not None and self.guard is not None:
             shape, modes = step.guard
             drafted_by = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
-            if not drafted_by and any(r.forced is not None for r in step.rows.values()):  # a grammar's nodes only
-                drafted_by = {n for n, m in modes.items() if m is step.mode}
+            forced_only = not drafted_by and any(r.forced is not None for r in step.rows.values())  # a grammar's
             done = [r for r in step.rows.values() if r.ok]
             emitted = sum(len(r.verdict.tokens) for r in done)  # type: ignore[union-attr]
-            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, emitted, len(done))
+            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, emitted, len(done),
+                                   judged=not forced_only)
         deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
                                         forced_drafted=sum(r.forced[1] for r in step.rows.values() if r.forced),
                                         forced_accepted=forced_accepted)
