@@ -14,8 +14,8 @@ load), the bucket is off: its steps decode plainly, drafting nothing and explori
 for a probe now and then (after `probe_after` steps, doubling after every probe that loses, up to
 `probe_max`), a step on which every decode drafts with the drafters that are off (the controller's
 choice, at least one node each); a probe that pays turns the bucket back on. A probe that verified
-none of a drafter's trees (it proposed nothing, or another's tree was valued more) did not lose: that
-drafter waits as long again, not twice as long. The waits start short again, and a probe comes at once,
+none of a drafter's trees (it proposed nothing, or another's tree was valued more) did not lose (see
+`record_step`). The waits start short again, and a probe comes at once,
 when every request the drafts lost with has left the bucket's steps: their loss says nothing of
 the requests that came after (at batch 1, the next request).
 
@@ -167,7 +167,9 @@ class GoodputGuard:
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
         drafter that probed without any of its trees verified did not lose: it probes next with
         the probers that were judged and are still off (one schedule for the drafters off at a
-        shape), or, where none was, waits as long again."""
+        shape); where none was, it probes again on the next step if every drafter is off (that
+        step would be plain anyway: at batch 1, suffix is tried as soon as it has a match), else
+        waits as long again (a probe step leaves out the drafters that are on)."""
         if tokens > 0 and seconds > 0 and judged:
             if modes and all(m is Mode.PLAIN for m in modes.values()):
                 self._count(plain_steps=1)
@@ -179,12 +181,13 @@ class GoodputGuard:
         else:
             drafted_by = set()
         group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and (b := self._bucket((*shape, n))).off]
+        others_draft = Mode.DRAFT in modes.values()
         for name, mode in modes.items():
             if mode is Mode.PROBE and name not in drafted_by:
                 b = self._bucket((*shape, name))
                 if group:
                     b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
-                else:
+                elif others_draft:  # a probe step leaves out the drafters that are on: not again at once
                     b.next_probe = step_no + max(b.wait, self.config.probe_after)
 
     def _record(self, key: tuple[int, int, str], mode: Mode, step_no: int, drafted: bool, seconds: float,
