@@ -167,9 +167,8 @@ class GoodputGuard:
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
         drafter that probed without any of its trees verified did not lose: it probes next with
         the probers that were judged and are still off (one schedule for the drafters off at a
-        shape); where none was, it probes again on the next step if every drafter is off (that
-        step would be plain anyway: at batch 1, suffix is tried as soon as it has a match), else
-        waits as long again (a probe step leaves out the drafters that are on)."""
+        shape); where none was, it probes again on the next step (a probe takes nothing from the
+        drafters that are on: at batch 1, suffix is tried as soon as it has a match)."""
         if tokens > 0 and seconds > 0 and judged:
             if modes and all(m is Mode.PLAIN for m in modes.values()):
                 self._count(plain_steps=1)
@@ -181,14 +180,10 @@ class GoodputGuard:
         else:
             drafted_by = set()
         group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and (b := self._bucket((*shape, n))).off]
-        others_draft = Mode.DRAFT in modes.values()
         for name, mode in modes.items():
-            if mode is Mode.PROBE and name not in drafted_by:
+            if mode is Mode.PROBE and name not in drafted_by and group:
                 b = self._bucket((*shape, name))
-                if group:
-                    b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
-                elif others_draft:  # a probe step leaves out the drafters that are on: not again at once
-                    b.next_probe = step_no + max(b.wait, self.config.probe_after)
+                b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
 
     def _record(self, key: tuple[int, int, str], mode: Mode, step_no: int, drafted: bool, seconds: float,
                 tokens: int, rows: int) -> None:

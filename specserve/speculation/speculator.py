@@ -187,6 +187,7 @@ class _Step:
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     guard: tuple[tuple[int, int], dict[str, Mode]] | None = None  # on decode-only steps: the shape, the guard's say per drafter
     mode: Mode = Mode.DRAFT  # the step's: PROBE if a drafter probes, else DRAFT if one may draft, else PLAIN
+    probing: frozenset[str] = frozenset()  # the drafters the guard probes this step (asked first)
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
     def row(self, index: int) -> _Row:
@@ -270,22 +271,19 @@ class Speculator:
             return {}
 
     def _ask_guard(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> None:
-        """The guard's say on each drafter at this step's shape: a step probes with the drafters
-        whose probe is due, else drafts with those it has not switched off, else decodes plainly
-        (so under `auto` a drafter whose drafts lose here stops being asked, while one that pays
-        goes on)."""
+        """The guard's say on each drafter at this step's shape: the step drafts with the drafters
+        it has not switched off and those whose probe is due, or decodes plainly if none (so under
+        `auto` a drafter whose drafts lose here stops being asked, while one that pays goes on). A
+        probing drafter is asked first and its tree is verified wherever it proposes one (at least
+        a node); where it proposes nothing, the drafters that are on draft as on any step."""
         assert self.guard is not None
         shape = self.guard.key(sampling_rows, base.attended)
         requests = frozenset(d.request.view.request_id for d in decodes)
         modes = self.guard.modes(shape, list(self._active), self._step_no, requests)
         self._step.guard = (shape, modes)
-        for mode in (Mode.PROBE, Mode.DRAFT):
-            names = [n for n, m in modes.items() if m is mode]
-            if names:
-                self._step.mode = mode
-                self._active = {n: self._active[n] for n in names}
-                return
-        self._step.mode = Mode.PLAIN
+        self._active = {n: self._active[n] for n, m in modes.items() if m is not Mode.PLAIN}
+        self._step.probing = frozenset(n for n, m in modes.items() if m is Mode.PROBE)
+        self._step.mode = Mode.PROBE if self._step.probing else Mode.DRAFT if self._active else Mode.PLAIN
 
     @property
     def _mode(self) -> Mode:
@@ -297,7 +295,8 @@ class Speculator:
         if len(self._active) == 1:
             return next(iter(self._active))
         rid = request.view.request_id
-        return max(self._active, key=lambda name: self._worth(name, rid, request.budget))
+        probing = self._step.probing
+        return max(self._active, key=lambda name: (name in probing, self._worth(name, rid, request.budget)))
 
     def _worth(self, name: str, request_id: str, nodes: int) -> float:
         """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
@@ -344,7 +343,7 @@ class Speculator:
         """Whether this step drafts for the request although the estimates say it does not pay:
         a request given nothing is never measured again, so now and then it is (and every request
         on the guard's probe steps)."""
-        if self._mode is Mode.PROBE:
+        if name in self._step.probing:
             return True
         every = self.explore_every if self._active[name].runs_a_model else max(1, self.explore_every // 4)
         return (self._since_draft.get(request_id, 0) + 1) % every == 0
@@ -394,7 +393,9 @@ class Speculator:
         by_id = {id(o): o for o in offers}
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
-            best = max(range(len(options)), key=lambda i: sum(self.acceptance.node_values(options[i][0], o.rid, options[i][1])))
+            best = max(range(len(options)), key=lambda i: (
+                options[i][0] in self._step.probing,  # a probe's tree first: it is what the probe judges
+                sum(self.acceptance.node_values(options[i][0], o.rid, options[i][1]))))
             o.name, o.tree = options[best]
             o.others = options[:best] + options[best + 1:]
             o.rank = rank
@@ -413,7 +414,7 @@ class Speculator:
             return names
         worth = {n: self._worth(n, o.rid, o.grant) for n in names}
         top = max(worth.values())
-        return [n for n in names if worth[n] >= self.WORTH_SHARE * top or n == o.name]
+        return [n for n in names if worth[n] >= self.WORTH_SHARE * top or n == o.name or n in self._step.probing]
 
     def _values(self, o: _Offer) -> list[float]:
         """The chance each node is accepted: the drafter's nodes by its measured acceptance, forced
@@ -448,7 +449,7 @@ class Speculator:
         attended = 0
         step = self._step
         for o, v, order, k in zip(offers, values, orders, sel.counts):
-            if k == 0 and (self._mode is Mode.PROBE or (self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0):
+            if k == 0 and (o.name in self._step.probing or (self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0):
                 k = 1  # now and then one node is verified whatever the estimate, so it can recover
             if k == 0:
                 continue
