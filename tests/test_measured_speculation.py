@@ -316,9 +316,9 @@ def test_the_guard_turns_garbage_drafts_off_and_good_ones_back_on(tiny_llama: Pa
     assert steps[0] <= 1.05 * plain_steps[0]
     assert verified <= 0.05 * tokens, f"{verified} draft tokens verified beside {tokens} emitted"
 
-    # the same drafter (by name) now drafting well: the guard judges each drafter on its own, so
-    # its bucket, switched off above, must be probed back on
-    speculator.drafters = {"suffix": Oracle({tuple(p): o for p, o in zip(prompts, plain)})}
+    # the same drafters (by name) now drafting well: the guard judges each drafter on its own, so a
+    # bucket switched off above (which drafter's depends on the timings) must be probed back on
+    speculator.drafters = {name: Oracle({tuple(p): o for p, o in zip(prompts, plain)}) for name in speculator.drafters}
     steps[0] = 0
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
     after = llm.engine.speculation_stats()
