@@ -68,7 +68,7 @@ def _shape(batch: tuple[ScheduledSeq, ...]) -> StepShape:
 
 
 def _view(seq: Sequence) -> RequestView:
-    return RequestView(seq.request_id, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids), seq.params)
+    return RequestView(seq.request_id, seq.prompt_tuple, tuple(seq.output_token_ids), seq.params)
 
 
 def request_metrics(seq: Sequence) -> RequestMetrics:

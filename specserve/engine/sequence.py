@@ -38,6 +38,14 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     speculation: DraftCounters = field(default_factory=DraftCounters)
+    _prompt_tuple: tuple[int, ...] | None = field(default=None, repr=False)
+
+    @property
+    def prompt_tuple(self) -> tuple[int, ...]:
+        """The prompt as a tuple, made once (the prompt never changes; drafters' views take it every step)."""
+        if self._prompt_tuple is None:
+            self._prompt_tuple = tuple(self.prompt_token_ids)
+        return self._prompt_tuple
 
     @property
     def num_tokens(self) -> int:

@@ -82,9 +82,6 @@ class SpeculationStats:
         """Mean |predicted - measured| / measured step time."""
         return self.cost_abs_error_seconds / self.cost_actual_seconds if self.cost_actual_seconds else 0.0
 
-    def plus(self, **deltas: float) -> SpeculationStats:
-        """These totals with `deltas` added to the named counters."""
-        return replace(self, **{name: getattr(self, name) + d for name, d in deltas.items()})
 
 
 @dataclass
@@ -227,7 +224,7 @@ class Speculator:
         self._open = False  # between propose and observe
         self._active: dict[str, Drafter] = {}
         self._failures = 0
-        self._totals = SpeculationStats()  # the running sums (grants and drafters kept apart)
+        self._sums: Counter[str] = Counter()  # SpeculationStats' running sums by field (grants and drafters kept apart)
         self._grants: Counter[int] = Counter()
         self._drafted_with: Counter[str] = Counter()
         self._step_no = 0
@@ -632,15 +629,17 @@ class Speculator:
             emitted = sum(len(r.verdict.tokens) for r in done)  # type: ignore[union-attr]
             self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, emitted, len(done),
                                    judged=not forced_only)
-        deltas: dict[str, float] = dict(steps=1, predicted_accepted=predicted, accepted=accepted,
-                                        forced_drafted=sum(r.forced[1] for r in step.rows.values() if r.forced),
-                                        forced_accepted=forced_accepted)
+        sums = self._sums
+        sums["steps"] += 1
+        if predicted or accepted or forced_accepted:
+            sums.update(predicted_accepted=predicted, accepted=accepted, forced_accepted=forced_accepted)
+        if forced_drafted := sum(r.forced[1] for r in step.rows.values() if r.forced):
+            sums["forced_drafted"] += forced_drafted
         if step.shape is not None and step.predicted_seconds is not None:
             forward_seconds = max(seconds - step.propose_seconds, 1e-6)
             self.controller.learn(step.shape, forward_seconds)
-            deltas.update(cost_predicted_seconds=step.predicted_seconds, cost_actual_seconds=forward_seconds,
-                          cost_abs_error_seconds=abs(step.predicted_seconds - forward_seconds), cost_steps=1)
-        self._totals = self._totals.plus(**deltas)
+            sums.update(cost_predicted_seconds=step.predicted_seconds, cost_actual_seconds=forward_seconds,
+                        cost_abs_error_seconds=abs(step.predicted_seconds - forward_seconds), cost_steps=1)
 
     def _learn_forced(self, hits: int, trials: int) -> None:
         """Forced nodes reached this step: `hits` accepted of `trials` tried (the first rejected one
@@ -685,10 +684,11 @@ class Speculator:
 
     def stats(self) -> SpeculationStats:
         guard = self.guard.stats() if self.guard is not None else None
-        return replace(self._totals, grants=tuple(sorted(self._grants.items())),
-                       drafted_with=tuple(sorted(self._drafted_with.items())),
-                       guard_plain_steps=guard.plain_steps if guard else 0, guard_probes=guard.probes if guard else 0,
-                       guard_turned_off=guard.turned_off if guard else 0)
+        return SpeculationStats(**self._sums, grants=tuple(sorted(self._grants.items())),
+                                drafted_with=tuple(sorted(self._drafted_with.items())),
+                                guard_plain_steps=guard.plain_steps if guard else 0,
+                                guard_probes=guard.probes if guard else 0,
+                                guard_turned_off=guard.turned_off if guard else 0)
 
     def _failed(self, stage: str) -> None:
         """The first failure is logged with its traceback, later ones counted; a drafter failing
