@@ -185,6 +185,22 @@ class SuffixTrie:
             cur = nxt
         return cur
 
+    def frequent_children(self, cur: Cursor, depth: int, share: float) -> tuple[int, list[tuple[int, int, Cursor]]]:
+        """The count of all continuations of `cur` (at `depth`), and (token, count, cursor) of those
+        counting at least `share` of it, most frequent first (first seen first among equals). A node
+        after a common token may have thousands of continuations: only the few that can pass are
+        given cursors and sorted."""
+        if isinstance(cur, _Node):
+            assert cur.children is not None
+            kids = cur.children
+            total = sum(c.count for c in kids.values())
+            least = share * total * (1 - 1e-9)  # no stricter than the caller's own test, whatever the rounding
+            picked = [(tok, c.count, self._cursor(c)) for tok, c in kids.items() if c.count >= least]
+            picked.sort(key=lambda kid: -kid[1])
+            return total, picked
+        kids_list = self.children(cur, depth)
+        return sum(count for _, count, _ in kids_list), kids_list
+
     def children(self, cur: Cursor, depth: int) -> list[tuple[int, int, Cursor]]:
         """(token, count, cursor) of each continuation of `cur` (at `depth`), in first-seen order."""
         if isinstance(cur, _Node):
@@ -380,9 +396,8 @@ class SuffixDrafter(Drafter):
 
         def push(cur: Cursor, depth: int, parent: int, prob: float) -> None:
             nonlocal order
-            kids = trie.children(cur, depth)
-            total = sum(count for _, count, _ in kids)
-            for tok, count, child in sorted(kids, key=lambda kid: -kid[1]):
+            total, kids = trie.frequent_children(cur, depth, self.config.min_prob / prob)
+            for tok, count, child in kids:
                 p = prob * count / total
                 if p >= self.config.min_prob:
                     heapq.heappush(heap, (-p, order, tok, parent, child, depth + 1, count / total))
