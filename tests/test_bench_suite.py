@@ -611,7 +611,9 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specserve.cli", "bench", "serve",
            "--launch", f"--model {tiny_llama} --threads 1 --max-model-len 512",
-           "--configs", "none:--spec none", "ngram:--spec ngram --spec-tokens 3",
+           # ngram under the fixed controller, so that every rate drafts: under the goodput guard a rate
+           # could pass with every step plain where drafts lost before (timing, not the sweep's plumbing)
+           "--configs", "none:--spec none", "ngram:--spec ngram --spec-tokens 3 --spec-controller fixed",
            "--request-rates", "8,inf", "--num-prompts", "6", "--output-len", "12", "--dataset", str(dataset),
            "--tokenizer", str(tiny_llama), "--no-progress", "--startup-timeout", "120",
            "--json", str(out / "sweep.json"), "--report", str(out / "sweep.md"), "--plot", str(out / "sweep.png")]
@@ -634,7 +636,7 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
         assert max(q["tpot_ms"] for q in r["requests"]) == pytest.approx(r["p99_tpot_ms"], rel=0.05)
         assert sum(q["accepted_drafts"] for q in r["requests"]) == (r["spec_accepted_tokens"] or 0)
         assert sum(q["accepted_drafts"] + q["rejected_drafts"] for q in r["requests"]) == r["spec_draft_tokens"]
-    assert data["configs"][1]["serve_args"][-4:] == ["--spec", "ngram", "--spec-tokens", "3"]
+    assert data["configs"][1]["serve_args"][-6:] == ["--spec", "ngram", "--spec-tokens", "3", "--spec-controller", "fixed"]
     assert data["command"].startswith("specserve bench serve --launch") and data["environment"]["packages"]
     assert data["threads"] == 1  # the servers' --threads, not the load generator's
     md = (out / "sweep.md").read_text()
