@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(sp)
     sp.add_argument("--methods", default=None,
                     help="comma-separated subset (default: all; `none` always runs); NAME:fixed or NAME:goodput "
-                         "picks the controller for one row, NAME@K its most draft tokens (e.g. auto@4,auto@16)")
+                         "picks the controller for one row, NAME@K its most draft tokens (e.g. auto@4,auto@16); "
+                         "none-again: a second engine without speculation, whose ratio to none is the run's noise")
     sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
     sp.add_argument("--batch", type=int, default=1,
                     help="requests generated together (default 1: one at a time, with per-category rows)")

@@ -685,3 +685,8 @@ def test_spec_bench_method_rows_take_their_own_draft_budget() -> None:
     a.methods = "auto@many"
     with pytest.raises(ValueError, match="auto@many"):
         _methods(a)
+    a.methods = None  # every drafter; the second plain engine (the run's noise) only when asked for
+    assert "none-again" not in dict(_methods(a))
+    a.methods = "auto,none-again"
+    assert _methods(a) == [("none", None), ("auto", dict(method="auto", num_tokens=8, controller="goodput")),
+                           ("none-again", None)]

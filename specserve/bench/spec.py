@@ -88,6 +88,9 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
         all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
                                           draft_stop_below=a.draft_stop_below)
     names = a.methods.split(",") if a.methods else list(all_methods)
+    # Asked by name only: a second engine without speculation, run interleaved like the others. Its
+    # ratio to `none` is how far two identical engines in this run differ: the run's own noise.
+    all_methods["none-again"] = None
     controller = getattr(a, "spec_controller", "goodput")
     for name in list(all_methods):  # NAME:fixed / NAME:goodput pick the controller for one row
         for c in ("fixed", "goodput"):
