@@ -191,3 +191,28 @@ def test_row_topk_ids_are_topks(vocab: int) -> None:
     x[3, ::64] += 10.0  # the top 8 in 8 different chunks, among many chunk maxima close to them
     for k in (1, 8):
         assert torch.equal(row_topk_ids(x, k), x.topk(k, dim=-1).indices)
+
+
+def test_greedy_choice_is_row_argmax_and_row_errors_in_one_pass() -> None:
+    """The one-pass greedy pick (the sampler's and the verifier's for greedy rows) gives every row
+    the token `row_argmax` gives (the first of tied maxima; the first NaN) and the error `row_errors`
+    gives: NaN, +inf or an all -inf row breaks it, -inf entries beside finite ones do not."""
+    from specserve.speculation.sampler import greedy_choice, row_argmax, row_errors
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 50, generator=g)
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] = float("-inf")
+    x[4, :10] = float("-inf")
+    x[5, 4] = x[5, 9] = x[5].max() + 1.0  # a tie: the first wins
+    x[6, 2] = float("nan")
+    x[6, 5] = float("inf")
+    x[7, [3, 8]] = float("nan")  # the first NaN
+    params = [SamplingParams(temperature=0)] * 9
+    for t in (x, x.double()):
+        tokens, errors = greedy_choice(t, params)
+        assert tokens == row_argmax(t).tolist()
+        assert errors == row_errors(t, params)
+        assert [e is not None for e in errors] == [False, True, True, True, False, False, True, True, False]
+        assert tokens[5] == 4 and tokens[7] == 3

@@ -40,6 +40,7 @@ from specserve.speculation.grammar import masks
 from specserve.speculation.sampler import (
     Sampler,
     SamplingRow,
+    greedy_choice,
     position_noise,
     row_argmax,
     row_errors,
@@ -79,14 +80,16 @@ class Verifier:
         processed = Sampler.processed_logits(
             logits, [params] * (n + 1), [list(seq.prompt_token_ids)] * (n + 1), outputs
         )
-        error = next((e for e in row_errors(processed, [params] * (n + 1)) if e is not None), None)
+        picks, errors = (greedy_choice(processed, [params] * (n + 1)) if params.greedy
+                         else (None, row_errors(processed, [params] * (n + 1))))
+        error = next((e for e in errors if e is not None), None)
         if error is not None:
             return failed(error)
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
             children.setdefault(p, []).append(i)
-        if params.greedy:
-            accepted, bonus = self._greedy(tree, children, row_argmax(processed).tolist())
+        if picks is not None:
+            accepted, bonus = self._greedy(tree, children, picks)
         elif params.seed is not None:
             # Row r is drawn at output position len(output) + depth(r): the root's row at depth 0.
             start = len(seq.output_token_ids)
