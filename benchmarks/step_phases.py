@@ -111,12 +111,11 @@ def main() -> None:
 
 def summarize(steps: list[dict[str, Any]], tokens: int, seconds: float) -> dict[str, Any]:
     decode = [s for s in steps if s["prefill"] == 0]
-    plain_rate: dict[int, float] = {}  # seconds per token of plain decode-only steps, by requests
-    by_requests = defaultdict(list)
+    by_requests: dict[int, list[float]] = defaultdict(list)
     for s in decode:
         if s["nodes"] == 0:
             by_requests[s["requests"]].append(s["total"] / s["tokens"])
-    plain_rate = {r: statistics.median(v) for r, v in by_requests.items()}
+    plain_rate = {r: statistics.median(v) for r, v in by_requests.items()}  # plain s/token by requests decoding
     lost = gained = 0.0
     judged = 0
     for s in decode:

@@ -251,15 +251,16 @@ class StepCostModel:
         self.P = self._p0.copy()
         self.observations = 0
 
+    def _forward(self, shape: StepShape) -> float:
+        return self.profile(shape.tokens) + self.attention * shape.attended
+
     def _x(self, shape: StepShape) -> np.ndarray:
-        forward = self.profile(shape.tokens) + self.attention * shape.attended
-        return np.array([1.0, forward, float(shape.drafted)])
+        return np.array([1.0, self._forward(shape), float(shape.drafted)])
 
     def predict(self, shape: StepShape) -> float:
         # Every step asks (plain ones too): plain floats, not numpy's small-array calls (~10 us).
         w0, w1, w2 = self._clamped
-        forward = self.profile(shape.tokens) + self.attention * shape.attended
-        return max(w0 + w1 * forward + w2 * shape.drafted, 1e-6)
+        return max(w0 + w1 * self._forward(shape) + w2 * shape.drafted, 1e-6)
 
     @property
     def _clamped(self) -> tuple[float, float, float]:

@@ -123,10 +123,10 @@ def row_errors(processed: torch.Tensor, params: list[SamplingParams]) -> list[st
 def greedy_choice(x: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[str | None]]:
     """Each row's `row_argmax` and its `row_errors`, in one pass on the CPU: the value at a row's
     argmax is NaN if the row holds one (NaN counts as largest), +inf if it holds one and -inf if every
-    entry is, so it alone says whether the row is broken. Right after the forward that one numpy pass
-    took 110 us for 8 rows of a 49k vocabulary where torch's max, isfinite and any before the argmax
-    took 220 us more (their first touch of the fresh logits wakes the thread pool). A broken row's
-    token is meaningless, as in `Sampler`'s output."""
+    entry is, so it alone says whether the row is broken. Torch's max, isfinite and any before the
+    argmax made a plain batch-8 step's verify 496 us against 313-331 us with this one pass (the first
+    touch of the fresh logits is the costly one; BENCHMARKS.md, `benchmarks/step_phases.py`). A broken
+    row's token is meaningless, as in `Sampler`'s output."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
         return row_argmax(x).tolist(), row_errors(x, params)
     a = x.numpy()

@@ -83,7 +83,6 @@ class SpeculationStats:
         return self.cost_abs_error_seconds / self.cost_actual_seconds if self.cost_actual_seconds else 0.0
 
 
-
 @dataclass
 class _Drafted:
     name: str
@@ -183,7 +182,6 @@ class _Step:
     propose_seconds: float = 0.0
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     guard: tuple[tuple[int, int], dict[str, Mode]] | None = None  # on decode-only steps: the shape, the guard's say per drafter
-    mode: Mode = Mode.DRAFT  # the step's: PROBE if a drafter probes, else DRAFT if one may draft, else PLAIN
     probing: frozenset[str] = frozenset()  # the drafters the guard probes this step (asked first)
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
@@ -252,7 +250,7 @@ class Speculator:
         if self.enabled and self.guard is not None and base.tokens == sampling_rows:  # decode-only
             self._ask_guard(decodes, base, sampling_rows)
         decodes = [d for d in decodes if d.request.budget > 0]
-        if not self.enabled or not decodes or self._mode is Mode.PLAIN:
+        if not self.enabled or not decodes or not self._active:  # the guard keeps every drafter off
             self._step.grants = [0] * len(decodes)
             return {}
         try:
@@ -280,12 +278,6 @@ class Speculator:
         self._step.guard = (shape, modes)
         self._active = {n: self._active[n] for n, m in modes.items() if m is not Mode.PLAIN}
         self._step.probing = frozenset(n for n, m in modes.items() if m is Mode.PROBE)
-        self._step.mode = Mode.PROBE if self._step.probing else Mode.DRAFT if self._active else Mode.PLAIN
-
-    @property
-    def _mode(self) -> Mode:
-        """The step's say from the guard (DRAFT where it has none)."""
-        return self._step.mode
 
     def _choose(self, request: DraftRequest) -> str:
         """The drafter expected to give this request the most accepted tokens."""
@@ -535,8 +527,6 @@ class Speculator:
         shape: where drafts do not pay, speculation costs nothing it can avoid (the learners learn
         again once the guard's probes find drafts paying)."""
         step = self._step
-        if self._mode is Mode.PLAIN:
-            return frozenset()
         now = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
         return frozenset(
             name for name, d in self._active.items() if d.target_topk > 0 and (
