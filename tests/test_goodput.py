@@ -210,6 +210,41 @@ def test_a_depth_never_tried_is_estimated_as_the_depth_above_it() -> None:
     assert a.rate("ngram", "copy", 3) == pytest.approx(a.initial)  # no record at all: the initial guess
 
 
+
+def test_memoized_rates_are_what_the_counts_give_after_every_observation() -> None:
+    """Rates are memoized per (drafter, request, rank) until their counts change: after any mix of
+    observations, forgets and recreated requests, every rate and chain value equals the one
+    computed afresh from the counts (a missed invalidation would leave a stale estimate)."""
+    rng = random.Random(5)
+    a = AcceptanceModel(max_depth=4)
+
+    def fresh(drafter: str, rid: str, depth: int, rank: int) -> float:
+        return a._depth_rates(a._drafters.get(drafter), a._requests.get((drafter, rid)), depth, rank)[-1]
+
+    trees = [DraftTree.chain([1, 2, 3, 4, 5, 6]), DraftTree((1, 2, 3, 4), (-1, -1, 0, 0)), DraftTree.chain([7])]
+    for step in range(300):
+        drafter, rid = rng.choice(["ngram", "suffix"]), rng.choice(["a", "b", "c"])
+        for d in ("ngram", "suffix"):  # read (and memoize) before the change
+            for r in ("a", "b", "c", "new"):
+                a.chain_values(d, r, 6)
+                a.rate(d, r, 2, rank=1)
+        if step % 37 == 36:
+            a.forget(rid)
+        else:
+            tree = rng.choice(trees)
+            a.observe(drafter, rid, tree, sorted(rng.sample(range(len(tree)), rng.randint(0, len(tree)))))
+        for d in ("ngram", "suffix"):
+            for r in ("a", "b", "c", "new"):
+                for depth in range(1, 7):
+                    for rank in range(3):
+                        assert a.rate(d, r, depth, rank) == fresh(d, r, depth, rank)
+                chain, p = [], 1.0
+                for depth in range(1, 7):
+                    p *= fresh(d, r, depth, 0)
+                    chain.append(p)
+                assert a.chain_values(d, r, 6) == chain
+                assert a.chain_values(d, r, 3) == chain[:3]
+
 def test_tree_keep_reindexes_a_parent_closed_subset() -> None:
     tree = DraftTree((10, 11, 12, 13), (-1, 0, -1, 1), scores=(0.9, 0.8, 0.1, 0.7))
     kept = tree.keep([0, 1, 3])

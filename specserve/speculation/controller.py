@@ -54,6 +54,7 @@ class _Counts:
 class _Stats:
     by_key: dict[tuple[int, int], _Counts] = field(default_factory=dict)
     proposals: _Counts = field(default_factory=_Counts)  # asked to draft: did it propose anything?
+    version: int = 0  # bumped whenever `by_key` changes (the rates memoized from it are then stale)
 
     def get(self, key: tuple[int, int]) -> _Counts:
         c = self.by_key.get(key)
@@ -84,6 +85,10 @@ class AcceptanceModel:
         self.max_rank = max_rank
         self._drafters: dict[str, _Stats] = {}
         self._requests: dict[tuple[str, str], _Stats] = {}
+        # (drafter, request, rank) -> the stats and versions they came from, the rates at depths
+        # 1..max_depth, and their running products (a chain's values): every step asks each
+        # request's rates of every drafter several times, and they change only when observed
+        self._memo: dict[tuple[str, str, int], tuple[_Stats | None, int, _Stats | None, int, list[float], list[float]]] = {}
 
     SCORE_BINS = 10
 
@@ -93,10 +98,10 @@ class AcceptanceModel:
         return min(depth, self.max_depth), min(rank, self.max_rank)
 
     def rate(self, drafter: str, request_id: str, depth: int, rank: int = 0, score: float | None = None) -> float:
+        if score is None:
+            return self._rates(drafter, request_id, rank)[0][min(max(depth, 1), self.max_depth) - 1]
         g = self._drafters.get(drafter)
         r = self._requests.get((drafter, request_id))
-        if score is None:
-            return self._depth_rates(g, r, max(depth, 1), rank)[-1]
         key = self._key(depth, rank, score)
         prior = score
         if g is not None and key in g.by_key:
@@ -106,6 +111,26 @@ class AcceptanceModel:
             return prior
         c = r.by_key[key]
         return (c.accepted + self.prior_weight * prior) / (c.tried + self.prior_weight)
+
+    def _rates(self, drafter: str, request_id: str, rank: int) -> tuple[list[float], list[float]]:
+        """The rates at depths 1..max_depth for `rank` (`_depth_rates`), and their running products,
+        memoized until the drafter's or the request's counts change."""
+        rank = min(rank, self.max_rank)
+        g = self._drafters.get(drafter)
+        r = self._requests.get((drafter, request_id))
+        gv = -1 if g is None else g.version
+        rv = -1 if r is None else r.version
+        key = (drafter, request_id, rank)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is g and hit[1] == gv and hit[2] is r and hit[3] == rv:
+            return hit[4], hit[5]
+        rates = self._depth_rates(g, r, self.max_depth, rank)
+        products, p = [], 1.0
+        for a in rates:
+            p *= a
+            products.append(p)
+        self._memo[key] = (g, gv, r, rv, rates, products)
+        return rates, products
 
     def _depth_rates(self, g: _Stats | None, r: _Stats | None, depth: int, rank: int) -> list[float]:
         """The rates at depths 1..depth for `rank`, each depth's estimate the prior of the next: the
@@ -142,10 +167,12 @@ class AcceptanceModel:
 
     def chain_values(self, drafter: str, request_id: str, n: int) -> list[float]:
         """The chance that each node of an n-node chain is accepted (rank-0 nodes, depth 1..n)."""
-        rates = self._depth_rates(self._drafters.get(drafter), self._requests.get((drafter, request_id)), n, 0)
-        out, p = [], 1.0
-        for a in rates:  # one pass over the depths, not one per node
-            p *= a
+        rates, products = self._rates(drafter, request_id, 0)
+        if n <= self.max_depth:
+            return products[:max(n, 0)]
+        out, p, last = products[:], products[-1], rates[-1]  # depths past max_depth share its rate
+        for _ in range(n - self.max_depth):
+            p *= last
             out.append(p)
         return out
 
@@ -187,6 +214,8 @@ class AcceptanceModel:
                 r.get(key).add(ok, self.request_decay)
             if ok:
                 done.add(p)
+        g.version += 1
+        r.version += 1
 
     def observe_proposal(self, drafter: str, request_id: str, proposed: bool) -> None:
         self._drafters.setdefault(drafter, _Stats()).proposals.add(proposed, self.drafter_decay)
@@ -195,6 +224,8 @@ class AcceptanceModel:
     def forget(self, request_id: str) -> None:
         for key in [k for k in self._requests if k[1] == request_id]:
             del self._requests[key]
+        for memo in [k for k in self._memo if k[1] == request_id]:
+            del self._memo[memo]
 
 
 class ForwardProfile:
