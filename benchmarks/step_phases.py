@@ -82,6 +82,8 @@ def main() -> None:
                 cur["nodes"] = sum(len(d) for d in drafts.values())
                 cur["requests"] = len(batch)
                 cur["prefill"] = sum(it.num_new_tokens for it in batch) - len(batch)
+            elif name == "propose":  # whether the guard left a drafter to ask (else the step is plain from the start)
+                cur["eligible"] = bool(core.speculator._active)
             return out
 
         setattr(obj, name, timed)
@@ -129,7 +131,11 @@ def summarize(steps: list[dict[str, Any]], tokens: int, seconds: float) -> dict[
         "seconds": round(seconds, 3), "outside_forward_s": round(sum(s["total"] - s["execute"] for s in steps), 3),
         "drafted_vs_plain_rate": {"steps": judged, "seconds_lost": round(lost, 3), "seconds_gained": round(gained, 3)},
     }
-    for kind, group in (("plain", [s for s in decode if not s["nodes"]]), ("drafted", [s for s in decode if s["nodes"]])):
+    groups = (("plain", [s for s in decode if not s["nodes"]]), ("drafted", [s for s in decode if s["nodes"]]),
+              # plain steps split: the guard kept them plain, or drafters were asked and nothing was verified
+              ("plain_by_guard", [s for s in decode if not s["nodes"] and not s.get("eligible")]),
+              ("plain_asked", [s for s in decode if not s["nodes"] and s.get("eligible")]))
+    for kind, group in groups:
         if group:
             keys = ["total", *(name for _, name in PHASES)]
             out[kind] = {"steps": len(group), "nodes": round(statistics.mean(s["nodes"] for s in group), 1),

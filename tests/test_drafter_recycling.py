@@ -239,3 +239,29 @@ def test_out_of_range_ids_are_ignored_safely() -> None:
     d.observe(view([1]), EMPTY_TREE, None)  # target_topk unused by the engine: no-op
     with pytest.raises(ValueError, match="target_top_ids"):
         d.observe(view([1]), DraftTree((2,), (-1,)), torch.tensor([[4, 5, 6]]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_observing_a_steps_requests_at_once_writes_the_table_one_by_one_would(seed: int) -> None:
+    """`observe_many` is one write for a step's rows: the table must be the one `observe` in
+    order leaves, with tokens repeated within an observation (the root's row, then the earliest
+    node's wins) and across observations (the later one's wins), rows with ids out of range, and
+    observations with no rows."""
+    rng = np.random.default_rng(seed)
+    V, k = 40, 4
+    batched, single = RecyclingDrafter(vocab_size=V, topk=k), RecyclingDrafter(vocab_size=V, topk=k)
+    for _ in range(30):
+        observations = []
+        for r in range(int(rng.integers(1, 6))):
+            root = int(rng.integers(-2, V))  # now and then out of range
+            n = int(rng.integers(0, 4))
+            tree = DraftTree(tuple(int(t) for t in rng.integers(0, 12, n)), tuple(range(-1, n - 1))) if n else EMPTY_TREE
+            top = torch.from_numpy(rng.integers(0, V, (n + 1, k)))
+            if rng.random() < 0.05:
+                top[0, 0] = V + 3  # an id out of range: dropped from its row
+            observations.append((view([root], [root] if rng.random() < 0.5 else []), tree,
+                                 None if rng.random() < 0.1 else top))
+        batched.observe_many(observations)
+        for obs in observations:
+            single.observe(*obs)
+        assert np.array_equal(batched.succ, single.succ)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,12 @@ class Drafter(ABC):
         target_top_ids: [len(tree) + 1, target_topk] the target's most likely next tokens at
         the root (row 0) and at each node (row i + 1), or None when target_topk is 0.
         """
+
+    def observe_many(self, observations: Sequence[tuple[RequestView, DraftTree, torch.Tensor | None]]) -> None:
+        """`observe` for each of a step's requests, in order (a drafter that learns from every row
+        of every step may do them at once)."""
+        for view, tree, target_top_ids in observations:
+            self.observe(view, tree, target_top_ids)
 
     def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """The target's final-normed hidden states [n, H] at positions start .. start + n - 1 of the

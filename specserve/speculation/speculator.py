@@ -575,6 +575,7 @@ class Speculator:
         predicted = 0.0
         accepted = 0
         forced_accepted = 0
+        notes: dict[str, list[tuple[RequestView, DraftTree, torch.Tensor | None]]] = {}
         for r in step.rows.values():
             d = r.drafted
             if d is not None and r.ok:
@@ -588,9 +589,9 @@ class Speculator:
                 self._since_draft[rid] = 0
                 self._drafted_with[d.name] += 1
                 self._used_at[d.name] = self._step_no
-                self._tell_drafters(d.view, d.name, d.tree, r.top_ids, step.learners)
+                self._note(notes, d.view, d.name, d.tree, r.top_ids, step.learners)
             if r.plain_view is not None and r.ok:
-                self._tell_drafters(r.plain_view, None, EMPTY_TREE, r.top_ids, step.learners)
+                self._note(notes, r.plain_view, None, EMPTY_TREE, r.top_ids, step.learners)
             if r.plain_id is not None:
                 self._since_draft[r.plain_id] = self._since_draft.get(r.plain_id, 0) + 1
             if r.forced is not None:
@@ -601,6 +602,7 @@ class Speculator:
                     self._learn_forced(hits, hits + (hits < count))
                 if d is None and r.view is not None:  # forced nodes only: no drafter's
                     self._since_draft[r.view.request_id] = self._since_draft.get(r.view.request_id, 0) + 1
+        self._tell_drafters(notes)
         if step.plain_seconds is not None:
             for r in step.rows.values():
                 rid = r.view.request_id if r.view is not None else r.plain_id
@@ -638,19 +640,26 @@ class Speculator:
         decay = 0.99 ** trials
         self._forced = (old_hits * decay + hits, old_trials * decay + trials)
 
-    def _tell_drafters(
-        self, view: RequestView, verified_by: str | None, tree: DraftTree, top: torch.Tensor | None,
-        learners: frozenset[str],
-    ) -> None:
-        for name, drafter in list(self.drafters.items()):
+    def _note(self, notes: dict[str, list[tuple[RequestView, DraftTree, torch.Tensor | None]]], view: RequestView,
+              verified_by: str | None, tree: DraftTree, top: torch.Tensor | None, learners: frozenset[str]) -> None:
+        """What each drafter is told of a request's step (`Drafter.observe`): the drafter whose tree
+        was verified, its tree; the drafters learning from the target this step, the empty tree."""
+        for name, drafter in self.drafters.items():
             mine = name == verified_by
             if not mine and name not in learners:
                 continue
             rows = None
             if top is not None and drafter.target_topk > 0:
                 rows = top[: (len(tree) + 1) if mine else 1, : drafter.target_topk]
+            notes.setdefault(name, []).append((view, tree if mine else EMPTY_TREE, rows))
+
+    def _tell_drafters(self, notes: dict[str, list[tuple[RequestView, DraftTree, torch.Tensor | None]]]) -> None:
+        for name, observations in notes.items():
+            drafter = self.drafters.get(name)
+            if drafter is None:
+                continue
             try:
-                drafter.observe(view, tree if mine else EMPTY_TREE, rows)
+                drafter.observe_many(observations)
             except Exception:  # noqa: BLE001 - a drafter that cannot learn still drafts
                 self._failed("observe")
 

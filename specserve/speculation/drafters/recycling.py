@@ -274,6 +274,40 @@ class RecyclingDrafter(Drafter):
             kept = [x for x, good in zip(row, ok) if good]
             self.succ[t] = kept + [EMPTY] * (k - len(kept))
 
+    def observe_many(self, observations: Sequence[tuple[RequestView, DraftTree, torch.Tensor | None]]) -> None:
+        """`observe` for each, in order, as one write into the table: a batch's rows cost a
+        Python loop over their tokens and one numpy assignment, not a numpy round trip each (at
+        batch 8, ~15 us a request a step). The same table as observing them one by one: within an
+        observation the root's row wins, then the earliest node's; a later observation overwrites
+        an earlier one. Anything `observe` would treat specially (a bad shape, ids out of range,
+        fewer than `topk` columns) goes through `observe` one by one."""
+        V, k = self.vocab_size, self.topk
+        parts: list[torch.Tensor] = []
+        final: dict[int, int] = {}  # token -> its row among `parts`' rows (a later observation's wins)
+        offset = 0
+        for view, tree, top in observations:
+            if top is None:
+                continue
+            n = len(tree) + 1
+            if top.dim() != 2 or top.shape[0] != n or top.shape[1] < k:
+                return super().observe_many(observations)
+            prompt, output = view.prompt_token_ids, view.output_token_ids
+            if not (prompt or output):
+                continue
+            mine: dict[int, int] = {}
+            for i, t in enumerate((output[-1] if output else prompt[-1], *tree.tokens)):
+                if 0 <= t < V and t not in mine:
+                    mine[t] = offset + i
+            final.update(mine)
+            parts.append(top[:, :k])
+            offset += n
+        if not final:
+            return
+        rows = torch.cat(parts).detach().to("cpu", torch.int64).numpy()
+        if not bool(((rows >= 0) & (rows < V)).all()):
+            return super().observe_many(observations)
+        self.succ[list(final)] = rows[list(final.values())]
+
     def finish(self, request_id: str, view: RequestView) -> None:
         self._bigrams.pop(request_id, None)
 
