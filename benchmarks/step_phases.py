@@ -134,11 +134,15 @@ def summarize(steps: list[dict[str, Any]], tokens: int, seconds: float) -> dict[
     groups = (("plain", [s for s in decode if not s["nodes"]]), ("drafted", [s for s in decode if s["nodes"]]),
               # plain steps split: the guard kept them plain, or drafters were asked and nothing was verified
               ("plain_by_guard", [s for s in decode if not s["nodes"] and not s.get("eligible")]),
-              ("plain_asked", [s for s in decode if not s["nodes"] and s.get("eligible")]))
+              ("plain_asked", [s for s in decode if not s["nodes"] and s.get("eligible")]),
+              # steps carrying a prefill chunk (which the guard does not judge)
+              ("prefill_plain", [s for s in steps if s["prefill"] and not s["nodes"]]),
+              ("prefill_drafted", [s for s in steps if s["prefill"] and s["nodes"]]))
     for kind, group in groups:
         if group:
             keys = ["total", *(name for _, name in PHASES)]
-            out[kind] = {"steps": len(group), "nodes": round(statistics.mean(s["nodes"] for s in group), 1),
+            out[kind] = {"steps": len(group), "seconds": round(sum(s["total"] for s in group), 3),
+                         "prefill": round(statistics.mean(s["prefill"] for s in group), 1), "nodes": round(statistics.mean(s["nodes"] for s in group), 1),
                          "requests": round(statistics.mean(s["requests"] for s in group), 1),
                          "tokens": round(statistics.mean(s["tokens"] for s in group), 2),
                          "us_median": {k: round(1e6 * statistics.median(s.get(k, 0.0) for s in group)) for k in keys}}

@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category")
     sp.add_argument("--batch", type=int, default=1,
                     help="requests generated together (default 1: one at a time, with per-category rows)")
+    sp.add_argument("--continuous", action="store_true",
+                    help="with --batch B: rounds of 4 x B prompts submitted at once to engines that run at most B "
+                         "at a time (continuous batching: a request that ends makes room for the next), each "
+                         "round on every method in turn; without it each group of B runs until its last request ends")
     sp.add_argument("--max-tokens", type=int, default=256)
     sp.add_argument("--dataset", default=None, help=dataset_help)
     sp.add_argument("--dataset-path", default=None, help="the named dataset's file, where not its default one")

@@ -123,6 +123,20 @@ def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
     assert guard.modes(GoodputGuard.key(2, 2 * 100), ["d"], 12)["d"] is Mode.PLAIN  # still: nothing recorded yet
 
 
+def test_off_reads_the_shapes_buckets_without_changing_them() -> None:
+    """`off` (for steps carrying a prefill chunk) names the drafters off at a shape, or at its
+    nearest context bucket where the shape is new, and records nothing: the next decode-only step
+    sees the guard as it was."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)  # "d" off at KEY
+    assert guard.off(KEY, ["d", "e"]) == {"d"}
+    assert guard.off(GoodputGuard.key(8, 8 * 1000), ["d"]) == {"d"}  # a new context: as its neighbour
+    assert guard.off(GoodputGuard.key(2, 2 * 100), ["d"]) == set()  # other rows: not judged
+    before = dict(guard._buckets)
+    assert guard.off(GoodputGuard.key(2, 2 * 100), ["d"]) == set() and guard._buckets == before
+    assert guard.modes(KEY, ["d"], 11)["d"] is Mode.PLAIN and guard.stats().probes == 0
+
+
 def test_a_bucket_born_off_measures_plain_steps_before_it_probes() -> None:
     """A bucket that inherits "off" after its neighbour's probe was due cannot judge a probe
     before it has plain steps of its own: it decodes plainly first, then probes once and is
@@ -486,3 +500,35 @@ def test_sampling_keeps_the_exact_distribution_whatever_the_guard_says(tiny_mode
     stats = llm.engine.speculation_stats()
     assert stats.guard_plain_steps > 0 and llm.engine.draft_totals.accepted > 0
     assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
+
+
+class OffGuard(SayGuard):
+    """Keeps decode-only steps plain and says every drafter is off (or none is) at every shape."""
+
+    def __init__(self, all_off: bool) -> None:
+        super().__init__(Mode.PLAIN)
+        self.all_off = all_off
+
+    def off(self, shape: tuple[int, int], drafters: list[str]) -> set[str]:
+        return set(drafters) if self.all_off else set()
+
+
+@pytest.mark.parametrize("all_off", [True, False])
+def test_steps_carrying_a_prefill_chunk_draft_only_with_drafters_not_off_at_their_decodes_shape(
+        tiny_llama: Path, all_off: bool) -> None:
+    """A step that carries a new request's prefill chunk is not the guard's to judge, but its
+    decodes must not draft with a drafter the guard has switched off at their shape: with every
+    drafter off no node is verified anywhere (with drafters on, the same run verifies nodes on
+    exactly those steps, so the count can tell). Outputs are plain decoding's either way."""
+    prompts = random_prompts(6, seed=47)
+    # lengths apart, so that a request ends (and the next is admitted) while another decodes
+    greedy = [SamplingParams(max_tokens=12 + 7 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    plain = [o.token_ids for o in LLM(str(tiny_llama), max_num_seqs=2).generate(prompts, greedy, use_tqdm=False)]
+    # requests admitted while others decode; the fixed controller drafts wherever the guard lets it
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto", controller="fixed"), max_num_seqs=2)
+    speculator = llm.engine.speculator
+    speculator.drafters = {"oracle": Oracle({tuple(p): o for p, o in zip(prompts, plain)})}
+    speculator.guard = OffGuard(all_off)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    verified = sum(k * n for k, n in llm.engine.speculation_stats().grants)
+    assert (verified == 0) if all_off else (verified > 0), verified

@@ -126,6 +126,10 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     dataset = open_dataset(a.dataset, Path(a.dataset_path) if getattr(a, "dataset_path", None) else None)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     base = EngineArgs.from_cli(a)
+    batch = max(1, getattr(a, "batch", 1))
+    continuous = bool(getattr(a, "continuous", False)) and batch > 1
+    if continuous:  # at most `batch` requests run; a round of 4 x batch is queued at once
+        base = base.with_(max_num_seqs=batch)
     rows: list[dict[str, Any]] = []
     per_method: dict[str, dict[str, Tally]] = {}
     questions: list[tuple[str, str]] = []
@@ -133,7 +137,6 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     verify_cost: list[dict[str, float]] = []
     methods = _methods(a)
     bar = None
-    batch = max(1, getattr(a, "batch", 1))
     control: dict[str, dict[str, Any]] = {}
     # Every method's engine is built first, then each batch of prompts runs on every method in
     # turn (interleaved), so that a machine whose speed drifts over minutes favours none of them.
@@ -148,8 +151,9 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
     assert prompts is not None and bar is not None
     stats = {name: defaultdict(Tally) for name in llms}
-    for start in range(0, len(prompts), batch):  # batch 1: one request at a time, per category
-        group = list(range(start, min(start + batch, len(prompts))))
+    size = 4 * batch if continuous else batch
+    for start in range(0, len(prompts), size):  # batch 1: one request at a time, per category
+        group = list(range(start, min(start + size, len(prompts))))
         for name, llm in llms.items():
             t = time.perf_counter()
             outs = llm.generate([prompts[i] for i in group], params, use_tqdm=False)
@@ -183,12 +187,13 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
             })
     _print_table(rows)
     report = BenchReport(
-        f"specserve bench spec: {a.model}, {dataset.name}, batch {batch}, {a.max_tokens} new tokens, "
+        f"specserve bench spec: {a.model}, {dataset.name}, batch {batch}{' continuous' if continuous else ''}, "
+        f"{a.max_tokens} new tokens, "
         f"K = {a.spec_tokens}",
         tuple(rows), SPEC_COLUMNS,
         fields={"verify_cost": verify_cost, "model": a.model, "max_tokens": a.max_tokens,
                 "per_category": a.per_category, "spec_tokens": a.spec_tokens, "threads": torch.get_num_threads(),
-                "dataset": dataset.name},
+                "dataset": dataset.name, "batch": batch, "continuous": continuous},
         shown_rows=tuple(r for r in rows if r["category"] == "overall"))
     write_spec_outputs(report, paths)
     return rows

@@ -247,8 +247,13 @@ class Speculator:
         if self.enabled and decodes:
             self._step.plain_seconds = self.controller.predict(base)
         self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
-        if self.enabled and self.guard is not None and base.tokens == sampling_rows:  # decode-only
-            self._ask_guard(decodes, base, sampling_rows)
+        if self.enabled and self.guard is not None:
+            if base.tokens == sampling_rows:  # decode-only
+                self._ask_guard(decodes, base, sampling_rows)
+            elif decodes:  # a prefill chunk too: not judged, but what is off at the decodes' shape stays off
+                shape = self.guard.key(len(decodes), sum(d.request.num_computed + 1 for d in decodes))
+                off = self.guard.off(shape, list(self._active))
+                self._active = {n: d for n, d in self._active.items() if n not in off}
         decodes = [d for d in decodes if d.request.budget > 0]
         if not self.enabled or not decodes or not self._active:  # the guard keeps every drafter off
             self._step.grants = [0] * len(decodes)
