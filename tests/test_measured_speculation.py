@@ -92,28 +92,6 @@ def test_drafts_that_were_all_rejected_never_count_as_paying_whatever_the_clock_
     assert modes.count(Mode.DRAFT) == 3
 
 
-def test_steps_that_asked_the_drafters_and_verified_nothing_count_against_drafting() -> None:
-    """Being on costs the asking even where nothing is verified: steps whose drafters were asked
-    (DRAFT) and verified nothing, 10% slower than plain, beside drafted steps that merely break
-    even, turn the shape off; and such steps are no plain reference (the guard's own plain steps
-    are: a slower reference would make drafting look better than it is)."""
-    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
-    modes = []
-    for n in range(40):
-        mode = guard.modes(KEY, ["d"], n)["d"]
-        if mode is Mode.PLAIN:
-            guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.010, 8, 8)
-        elif n % 3:  # asked, nothing verified: plain's tokens at 10% more time
-            guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.011, 8, 8)
-        else:  # drafted, even with plain
-            guard.record_step(KEY, {"d": mode}, n, {"d"}, 12 * 0.010, 12, 8)
-        modes.append(mode)
-    assert guard.stats().turned_off >= 1
-    assert modes[:4] == [Mode.PLAIN, Mode.DRAFT, Mode.DRAFT, Mode.DRAFT] and set(modes[4:19]) == {Mode.PLAIN}
-    bucket = guard._buckets[(*KEY, "d")]
-    assert bucket.plain.value == pytest.approx(0.010)  # the asked steps' 11 ms never entered the reference
-
-
 def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
     guard = GoodputGuard(GuardConfig(probe_after=16))
     run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)

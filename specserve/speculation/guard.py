@@ -4,14 +4,10 @@ engine's rate without them, per batch shape and drafter.
 The controller decides from models (acceptance rates, a step-cost fit), and models are wrong on
 inputs they have not seen. The guard looks only at what happened: for decode-only steps, bucketed by
 how many requests decode and how much context they attend to, it keeps a moving average of the
-seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
-came for a while, every step while the shape is off) and of the steps taken while drafting is on
-(their whole time over every token they emitted, accepted and bonus): those that verified drafts,
-and those whose drafters were asked and nothing was verified (the controller found nothing worth
-verifying, or the drafters proposed nothing), since being on cost them the asking and the
-learning: at batch 8 on a small model such steps came to 165-249 of ~500, ~0.6 ms each over a
-plain one, and counted as plain they made the reference slower and drafting look even. While
-steps with drafting on deliver a token for fewer seconds than plain ones the controller decides as before;
+seconds per emitted token of steps that verified no draft (plain steps: those the controller left
+plain, or a control step the guard makes plain when none came for a while) and of steps that did
+(their whole time, drafting included, over every token they emitted, accepted and bonus). While
+drafted steps deliver a token for fewer seconds than plain ones the controller decides as before;
 once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
 steps), or emit no more tokens than requests (every draft rejected, whatever the clock says under
 load), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
@@ -184,9 +180,8 @@ class GoodputGuard:
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
                     seconds: float, tokens: int, rows: int, judged: bool = True) -> None:
         """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
-        `tokens` for `rows` requests: a step the guard made plain is every drafter's reference;
-        a drafted one is judged in the buckets of the drafters whose nodes it verified, one that
-        verified nothing in the buckets of the drafters that were on (DRAFT) for it; `judged`
+        `tokens` for `rows` requests: a plain step (`drafted_by` empty) is every drafter's reference;
+        a drafted one is judged in the buckets of the drafters whose nodes it verified; `judged`
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
         drafter that probed without any of its trees verified did not lose: it probes next with
         the probers that were judged and are still off (one schedule for the drafters off at a
@@ -197,16 +192,9 @@ class GoodputGuard:
                 self._count(plain_steps=1)
             if drafted_by and Mode.PROBE in modes.values():
                 self._count(probes=1)  # a step, however many drafters it judged
-            if drafted_by:
-                for name in drafted_by:
-                    self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, True, seconds, tokens, rows)
-            elif all(m is Mode.PLAIN for m in modes.values()):  # the guard's plain step: every drafter's reference
-                for name in modes:
-                    self._record((*shape, name), Mode.PLAIN, step_no, False, seconds, tokens, rows)
-            else:  # drafters asked, nothing verified: what being on cost this step (no reference)
-                for name, mode in modes.items():
-                    if mode is Mode.DRAFT:
-                        self._record((*shape, name), mode, step_no, True, seconds, tokens, rows)
+            for name in (drafted_by or modes):
+                self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, bool(drafted_by), seconds, tokens,
+                             rows)
         else:
             drafted_by = set()
         group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and (b := self._bucket((*shape, n))).off]
