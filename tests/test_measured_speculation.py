@@ -92,6 +92,46 @@ def test_drafts_that_were_all_rejected_never_count_as_paying_whatever_the_clock_
     assert modes.count(Mode.DRAFT) == 3
 
 
+def test_steps_that_asked_the_drafters_and_verified_nothing_count_against_drafting() -> None:
+    """Being on costs the asking even where nothing is verified: steps whose drafters were asked
+    (DRAFT) and verified nothing, 10% slower than plain, beside drafted steps that merely break
+    even, turn the shape off; and such steps are no plain reference (the guard's own plain steps
+    are: a slower reference would make drafting look better than it is)."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    modes = []
+    for n in range(40):
+        mode = guard.modes(KEY, ["d"], n)["d"]
+        if mode is Mode.PLAIN:
+            guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.010, 8, 8)
+        elif n % 3:  # asked, nothing verified: plain's tokens at 10% more time
+            guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.011, 8, 8)
+        else:  # drafted, even with plain
+            guard.record_step(KEY, {"d": mode}, n, {"d"}, 12 * 0.010, 12, 8)
+        modes.append(mode)
+    assert guard.stats().turned_off >= 1
+    first_off = modes.index(Mode.PLAIN, 1)
+    assert first_off <= 12 and set(modes[first_off:first_off + 15]) == {Mode.PLAIN}  # judged, then off until a probe
+    bucket = guard._buckets[(*KEY, "d")]
+    assert bucket.plain.value == pytest.approx(0.010)  # the asked steps' 11 ms never entered the reference
+
+
+def test_runs_of_steps_with_nothing_to_draft_do_not_switch_off_drafts_that_pay() -> None:
+    """At batch 1 a request often has nothing to draft for a while (no suffix match): steps that
+    asked, 4% slower than plain, in runs of seven between drafted steps that pay 1.5x, are judged
+    in the share they come in, not by the latest few: drafting stays on (judged by a short moving
+    average of all steps with drafting on, such a run switched it off)."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    for n in range(300):
+        mode = guard.modes(KEY, ["d"], n)["d"]
+        if mode is Mode.PLAIN:
+            guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.010, 8, 8)
+        elif n % 10 < 7:
+            guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.0104, 8, 8)
+        else:
+            guard.record_step(KEY, {"d": mode}, n, {"d"}, 12 * 0.010 / 1.5, 12, 8)
+    assert guard.stats().turned_off == 0
+
+
 def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
     guard = GoodputGuard(GuardConfig(probe_after=16))
     run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)

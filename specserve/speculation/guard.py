@@ -4,10 +4,14 @@ engine's rate without them, per batch shape and drafter.
 The controller decides from models (acceptance rates, a step-cost fit), and models are wrong on
 inputs they have not seen. The guard looks only at what happened: for decode-only steps, bucketed by
 how many requests decode and how much context they attend to, it keeps a moving average of the
-seconds per emitted token of steps that verified no draft (plain steps: those the controller left
-plain, or a control step the guard makes plain when none came for a while) and of steps that did
-(their whole time, drafting included, over every token they emitted, accepted and bonus). While
-drafted steps deliver a token for fewer seconds than plain ones the controller decides as before;
+seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
+came for a while, every step while the shape is off) and of the steps taken while drafting is on
+(their whole time over every token they emitted, accepted and bonus): those that verified drafts,
+and those whose drafters were asked and nothing was verified (the controller found nothing worth
+verifying, or the drafters proposed nothing), since being on cost them the asking and the
+learning: at batch 8 on a small model such steps came to 165-249 of ~500, ~0.6 ms each over a
+plain one, and counted as plain they made the reference slower and drafting look even. While
+steps with drafting on deliver a token for fewer seconds than plain ones the controller decides as before;
 once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
 steps), or emit no more tokens than requests (every draft rejected, whatever the clock says under
 load), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
@@ -56,6 +60,7 @@ class GuardConfig:
     min_steps: int = 3  # drafted steps measured before a bucket can be judged
     decay: float = 0.8  # weight of the old average per new step
     control_every: int = 64  # a plain step when none came at the bucket in this many steps
+    share_decay: float = 0.95  # weight of the old share of drafted steps among steps with drafting on, per step
     probe_after: int = 16  # steps off before the first probe
     probe_max: int = 512  # the longest wait between probes
 
@@ -65,8 +70,9 @@ class GuardConfig:
         for name in ("min_steps", "control_every", "probe_after", "probe_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"guard decay: must be in [0, 1), got {self.decay}")
+        for name in ("decay", "share_decay"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"guard {name}: must be in [0, 1), got {getattr(self, name)}")
 
 
 @dataclass
@@ -85,6 +91,10 @@ class _Bucket:
     seconds: _Average = field(default_factory=_Average)  # of drafted steps
     tokens: _Average = field(default_factory=_Average)  # emitted by drafted steps
     rows: _Average = field(default_factory=_Average)  # requests emitting in drafted steps
+    asked_seconds: _Average = field(default_factory=_Average)  # of steps that asked drafters and verified nothing
+    asked_tokens: _Average = field(default_factory=_Average)  # ... and their tokens (one a request)
+    drafted_n: float = 0.0  # steps with drafting on that verified drafts (decayed by share_decay a step) ...
+    asked_n: float = 0.0  # ... and that only asked
     off: bool = False
     last_plain: int = -(1 << 30)  # step number of the last plain step measured here
     wait: int = 0  # steps between probes now
@@ -94,14 +104,19 @@ class _Bucket:
     off_for: frozenset[str] = frozenset()  # the requests drafts lost with when it last turned off
 
     def gain(self) -> float:
-        """Plain seconds per token over drafted seconds per token (> 1: drafts pay)."""
-        return self.plain.value * self.tokens.value / self.seconds.value
+        """Plain seconds per token over the seconds per token of steps with drafting on (> 1:
+        drafts pay): drafted steps and steps that only asked, mixed in the share they come in, so
+        that a run of steps with nothing to draft moves the judgment only as far as their share."""
+        f = self.drafted_n / (self.drafted_n + self.asked_n) if self.drafted_n + self.asked_n else 1.0
+        tokens = f * self.tokens.value + (1.0 - f) * self.asked_tokens.value
+        seconds = f * self.seconds.value + (1.0 - f) * self.asked_seconds.value
+        return self.plain.value * tokens / seconds
 
     def pays(self, at_least: float) -> bool:
-        """Whether drafted steps deliver at least `at_least` x plain's tokens per second, and
-        some tokens beyond one per request at all: a step whose drafts were all rejected cannot
-        have paid, however its time compares under a noisy clock."""
-        return self.gain() >= at_least and self.tokens.value > 1.01 * self.rows.value
+        """Whether steps with drafting on deliver at least `at_least` x plain's tokens per second,
+        and drafted steps some tokens beyond one per request at all: a step whose drafts were all
+        rejected cannot have paid, however its time compares under a noisy clock."""
+        return self.gain() >= at_least and (self.seconds.steps == 0 or self.tokens.value > 1.01 * self.rows.value)
 
 
 @dataclass(frozen=True)
@@ -180,8 +195,9 @@ class GoodputGuard:
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
                     seconds: float, tokens: int, rows: int, judged: bool = True) -> None:
         """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
-        `tokens` for `rows` requests: a plain step (`drafted_by` empty) is every drafter's reference;
-        a drafted one is judged in the buckets of the drafters whose nodes it verified; `judged`
+        `tokens` for `rows` requests: a step the guard made plain is every drafter's reference;
+        a drafted one is judged in the buckets of the drafters whose nodes it verified, one that
+        verified nothing in the buckets of the drafters that were on (DRAFT) for it; `judged`
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
         drafter that probed without any of its trees verified did not lose: it probes next with
         the probers that were judged and are still off (one schedule for the drafters off at a
@@ -192,9 +208,16 @@ class GoodputGuard:
                 self._count(plain_steps=1)
             if drafted_by and Mode.PROBE in modes.values():
                 self._count(probes=1)  # a step, however many drafters it judged
-            for name in (drafted_by or modes):
-                self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, bool(drafted_by), seconds, tokens,
-                             rows)
+            if drafted_by:
+                for name in drafted_by:
+                    self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, True, seconds, tokens, rows)
+            elif all(m is Mode.PLAIN for m in modes.values()):  # the guard's plain step: every drafter's reference
+                for name in modes:
+                    self._record((*shape, name), Mode.PLAIN, step_no, False, seconds, tokens, rows)
+            else:  # drafters asked, nothing verified: what being on cost this step (no reference)
+                for name, mode in modes.items():
+                    if mode is Mode.DRAFT:
+                        self._record_asked((*shape, name), step_no, seconds, tokens)
         else:
             drafted_by = set()
         group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and (b := self._bucket((*shape, n))).off]
@@ -216,6 +239,7 @@ class GoodputGuard:
         b.seconds.add(seconds, c.decay)
         b.tokens.add(tokens, c.decay)
         b.rows.add(rows, c.decay)
+        b.drafted_n, b.asked_n = c.share_decay * b.drafted_n + 1.0, c.share_decay * b.asked_n
         if mode is Mode.PROBE:
             if b.pays(1.0):
                 b.off, b.on_since = False, 0
@@ -224,7 +248,27 @@ class GoodputGuard:
                 self._back_off(b, step_no)
             return
         b.on_since += 1
-        if b.seconds.steps >= c.min_steps and not b.pays(1.0 - c.margin):
+        self._judge(key, b, step_no)
+
+    def _record_asked(self, key: tuple[int, int, str], step_no: int, seconds: float, tokens: int) -> None:
+        """A step with the drafter on that verified nothing: its time is what being on costs where
+        nothing is drafted (the asking, the learning); judged with the drafted steps in their share."""
+        c = self.config
+        b = self._bucket(key)
+        if b.plain.steps == 0 or b.off:
+            return
+        b.asked_seconds.add(seconds, c.decay)
+        b.asked_tokens.add(tokens, c.decay)
+        b.drafted_n, b.asked_n = c.share_decay * b.drafted_n, c.share_decay * b.asked_n + 1.0
+        b.on_since += 1
+        self._judge(key, b, step_no)
+
+    def _judge(self, key: tuple[int, int, str], b: _Bucket, step_no: int) -> None:
+        """Off once steps with drafting on lose (`min_steps` drafted ones, or four times as many
+        that only asked)."""
+        c = self.config
+        enough = b.seconds.steps >= c.min_steps or b.asked_seconds.steps >= 4 * c.min_steps
+        if enough and not b.pays(1.0 - c.margin):
             self._back_off(b, step_no)
             b.off = True
             self._count(turned_off=1, buckets_off=1)
@@ -264,6 +308,7 @@ class GoodputGuard:
         b.next_probe = step_no + b.wait
         b.off_for = b.requests
         b.seconds, b.tokens, b.rows = _Average(), _Average(), _Average()  # judged afresh by the next probe
+        b.asked_seconds, b.asked_tokens, b.drafted_n, b.asked_n = _Average(), _Average(), 0.0, 0.0
 
     def _count(self, **deltas: int) -> None:
         s = self._stats
