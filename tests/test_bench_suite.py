@@ -690,3 +690,36 @@ def test_spec_bench_method_rows_take_their_own_draft_budget() -> None:
     a.methods = "auto,none-again"
     assert _methods(a) == [("none", None), ("auto", dict(method="auto", num_tokens=8, controller="goodput")),
                            ("none-again", None)]
+
+
+def test_spec_bench_continuous_runs_rounds_on_engines_holding_at_most_the_batch(tiny_llama: Path, tmp_path: Path) -> None:
+    """`bench spec --batch 2 --continuous`: every prompt generated once per method, on engines
+    that run at most two requests at a time; the report says which mode it measured."""
+    import json
+
+    from specserve.cli import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"Say {i} words."]}) + "\n"
+                                 for i in range(10)))
+    out = tmp_path / "spec.json"
+    seen: list[tuple[int, int]] = []  # (running, waiting) at each schedule
+    from specserve.engine import scheduler as scheduler_module
+
+    schedule = scheduler_module.Scheduler.schedule
+
+    def counting(self):  # type: ignore[no-untyped-def]
+        seen.append((len(self.running), len(self.waiting)))
+        return schedule(self)
+
+    scheduler_module.Scheduler.schedule = counting  # type: ignore[method-assign]
+    try:
+        main(["bench", "spec", "--model", str(tiny_llama), "--threads", "1", "--max-tokens", "8", "--no-transformers",
+              "--dataset", str(questions), "--per-category", "10", "--batch", "2", "--continuous",
+              "--methods", "ngram", "--json", str(out)])
+    finally:
+        scheduler_module.Scheduler.schedule = schedule  # type: ignore[method-assign]
+    report = json.loads(out.read_text())
+    assert report["continuous"] is True and report["batch"] == 2
+    assert {r["method"] for r in report["rows"]} == {"none", "ngram"}
+    assert max(r for r, _ in seen) == 2 and max(w for _, w in seen) > 2  # a round queued, two at a time
