@@ -38,6 +38,10 @@ class DraftRequest:
     num_computed: int = 0  # target tokens with K/V in the cache (the root token is the next one)
 
 
+Observation = tuple[RequestView, DraftTree, torch.Tensor | None]
+"""What `Drafter.observe` is told of one request's step: its view, the tree verified, the target's top ids."""
+
+
 class Drafter(ABC):
     """Proposes draft trees. One instance serves every request of an engine.
 
@@ -76,7 +80,7 @@ class Drafter(ABC):
         the root (row 0) and at each node (row i + 1), or None when target_topk is 0.
         """
 
-    def observe_many(self, observations: Sequence[tuple[RequestView, DraftTree, torch.Tensor | None]]) -> None:
+    def observe_many(self, observations: Sequence[Observation]) -> None:
         """`observe` for each of a step's requests, in order (a drafter that learns from every row
         of every step may do them at once)."""
         for view, tree, target_top_ids in observations:

@@ -13,7 +13,7 @@ learning: at batch 8 on a small model such steps came to 165-249 of ~500, ~0.6 m
 plain one, and counted as plain they made the reference slower and drafting look even. While
 steps with drafting on deliver a token for fewer seconds than plain ones the controller decides as before;
 once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
-steps), or emit no more tokens than requests (every draft rejected, whatever the clock says under
+steps or four times as many that only asked), or emit no more tokens than requests (every draft rejected, whatever the clock says under
 load), the bucket is off: its steps decode plainly, drafting nothing and exploring nothing, but
 for a probe now and then (after `probe_after` steps, doubling after every probe that loses, up to
 `probe_max`), a step on which every decode drafts with the drafters that are off (the controller's
@@ -167,14 +167,11 @@ class GoodputGuard:
         (a shape not seen yet: as its nearest context bucket), read without recording anything: for
         a step carrying a prefill chunk, which the guard neither judges nor makes a probe or a
         control step of, but whose decodes should not draft with what loses on decode-only steps
-        of their shape (at batch 8 on a small model 49 of 53 such steps drafted, ~19 nodes each,
-        while decode-only steps of that shape kept drafting off)."""
+        of their shape (at batch 8 on a small model 49-53 of 53-54 such steps drafted, ~19 nodes
+        each, while decode-only steps of that shape kept drafting off)."""
         out = set()
         for name in drafters:
-            b = self._buckets.get((*shape, name))
-            if b is None:
-                near = [k for k in self._buckets if k[0] == shape[0] and k[2] == name]
-                b = self._buckets[min(near, key=lambda k: abs(k[1] - shape[1]))] if near else None
+            b = self._buckets.get((*shape, name)) or self._nearest((*shape, name))
             if b is not None and b.off:
                 out.add(name)
         return out
@@ -281,14 +278,17 @@ class GoodputGuard:
         rows and drafter is off (as the context grows, a shape where drafts lost is not tried afresh)."""
         b = self._buckets.get(key)
         if b is None:
+            n = self._nearest(key)
             b = self._buckets[key] = _Bucket()
-            near = [k for k in self._buckets if k[0] == key[0] and k[2] == key[2] and k != key]
-            if near:
-                n = self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))]
-                if n.off:
-                    b.off, b.wait, b.next_probe = True, n.wait, n.next_probe
-                    self._count(buckets_off=1)
+            if n is not None and n.off:
+                b.off, b.wait, b.next_probe = True, n.wait, n.next_probe
+                self._count(buckets_off=1)
         return b
+
+    def _nearest(self, key: tuple[int, int, str]) -> _Bucket | None:
+        """The bucket with the same rows and drafter as `key` at the nearest other context, if any."""
+        near = [k for k in self._buckets if k[0] == key[0] and k[2] == key[2] and k != key]
+        return self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))] if near else None
 
     def _off_with(self, key: tuple[int, int, str], b: _Bucket) -> None:
         """Another drafter's bucket at this shape that has never been judged (none of its trees

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specserve.speculation.controller import AcceptanceModel, Candidate, Controller, StepShape
-from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
+from specserve.speculation.drafter import Drafter, DraftRequest, Observation, RequestView
 from specserve.speculation.grammar import extend_forced, prune
 from specserve.speculation.guard import GoodputGuard, Mode
 from specserve.speculation.sampler import Sampler, SamplingRow, row_topk_ids
@@ -580,7 +580,7 @@ class Speculator:
         predicted = 0.0
         accepted = 0
         forced_accepted = 0
-        notes: dict[str, list[tuple[RequestView, DraftTree, torch.Tensor | None]]] = {}
+        notes: dict[str, list[Observation]] = {}
         for r in step.rows.values():
             d = r.drafted
             if d is not None and r.ok:
@@ -645,7 +645,7 @@ class Speculator:
         decay = 0.99 ** trials
         self._forced = (old_hits * decay + hits, old_trials * decay + trials)
 
-    def _note(self, notes: dict[str, list[tuple[RequestView, DraftTree, torch.Tensor | None]]], view: RequestView,
+    def _note(self, notes: dict[str, list[Observation]], view: RequestView,
               verified_by: str | None, tree: DraftTree, top: torch.Tensor | None, learners: frozenset[str]) -> None:
         """What each drafter is told of a request's step (`Drafter.observe`): the drafter whose tree
         was verified, its tree; the drafters learning from the target this step, the empty tree."""
@@ -658,7 +658,7 @@ class Speculator:
                 rows = top[: (len(tree) + 1) if mine else 1, : drafter.target_topk]
             notes.setdefault(name, []).append((view, tree if mine else EMPTY_TREE, rows))
 
-    def _tell_drafters(self, notes: dict[str, list[tuple[RequestView, DraftTree, torch.Tensor | None]]]) -> None:
+    def _tell_drafters(self, notes: dict[str, list[Observation]]) -> None:
         for name, observations in notes.items():
             drafter = self.drafters.get(name)
             if drafter is None:

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specserve.speculation.drafter import DraftRequest, Drafter, RequestView
+from specserve.speculation.drafter import DraftRequest, Drafter, Observation, RequestView
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 EMPTY = -1
@@ -274,7 +274,7 @@ class RecyclingDrafter(Drafter):
             kept = [x for x, good in zip(row, ok) if good]
             self.succ[t] = kept + [EMPTY] * (k - len(kept))
 
-    def observe_many(self, observations: Sequence[tuple[RequestView, DraftTree, torch.Tensor | None]]) -> None:
+    def observe_many(self, observations: Sequence[Observation]) -> None:
         """`observe` for each, in order, as one write into the table: a batch's rows cost a
         Python loop over their tokens and one numpy assignment, not a numpy round trip each (at
         batch 8, ~15 us a request a step). The same table as observing them one by one: within an
