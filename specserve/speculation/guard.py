@@ -9,8 +9,8 @@ came for a while, every step while the shape is off) and of the steps taken whil
 (their whole time over every token they emitted, accepted and bonus): those that verified drafts,
 and those whose drafters were asked and nothing was verified (the controller found nothing worth
 verifying, or the drafters proposed nothing), since being on cost them the asking and the
-learning: at batch 8 on a small model such steps came to 165-249 of ~500, ~0.6 ms each over a
-plain one, and counted as plain they made the reference slower and drafting look even. While
+learning (at batch 8 on a small model 211 of 508 steps, ~0.8 ms each over a plain one, in
+BENCHMARKS.md), and counted as plain they made the reference slower and drafting look even. While
 steps with drafting on deliver a token for fewer seconds than plain ones the controller decides as before;
 once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
 steps or four times as many that only asked), or emit no more tokens than requests (every draft rejected, whatever the clock says under
@@ -167,8 +167,8 @@ class GoodputGuard:
         (a shape not seen yet: as its nearest context bucket), read without recording anything: for
         a step carrying a prefill chunk, which the guard neither judges nor makes a probe or a
         control step of, but whose decodes should not draft with what loses on decode-only steps
-        of their shape (at batch 8 on a small model 49-53 of 53-54 such steps drafted, ~19 nodes
-        each, while decode-only steps of that shape kept drafting off)."""
+        of their shape (at batch 8 on a small model 51 of 53 such steps drafted, ~18 nodes each,
+        while the guard kept 605 of 790 decode-only steps plain)."""
         out = set()
         for name in drafters:
             b = self._buckets.get((*shape, name)) or self._nearest((*shape, name))
