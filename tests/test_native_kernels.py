@@ -19,7 +19,7 @@ from specserve.model.attention.cpu_paged import CpuPagedBackend
 from specserve.model.attention.sdpa import SdpaBackend
 from specserve.model.tuning import KernelTuner
 from specserve.model.quant import (
-    NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, quantize_int4, quantize_int8,
+    PREFETCH_POLICIES, GGUFLinearKernel, NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, quantize_int4, quantize_int8,
 )
 
 from conftest import random_prompts
@@ -250,6 +250,40 @@ def test_tuner_decide_takes_the_fastest_and_remembers_it(tmp_path: Path) -> None
     assert KernelTuner(cpu, path).recall("other", ["a", "b"]) is None
 
 
+def test_the_prefetch_policy_is_timed_once_per_machine_and_set_on_every_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`choose_prefetch` times the policies on the packed kernels it is given (alternating rounds),
+    sets the winner on every kernel (results unchanged), and a later load on this machine recalls
+    it without timing; with no packed kernel there is nothing to choose."""
+    import gguf
+
+    from specserve.model import tuning
+
+    q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+    q8_0x16 = next(t.type_id for t in ops.PACKED_LAYOUTS["avx512vnni"].types if t.source == q8_0)
+    blocks = torch.from_numpy(gguf.quants.quantize(torch.randn(64, 256).numpy(), gguf.GGMLQuantizationType.Q8_0))
+    source = GGUFLinearKernel([blocks], [q8_0], None, "generic")  # the file's layout
+    packed = GGUFLinearKernel([torch.ops.specserve.gguf_pack(blocks, q8_0, 256, q8_0x16)], [q8_0x16], None, "generic")
+    path, cpu, x = tmp_path / "choices.json", torch.device("cpu"), torch.randn(3, 256)
+    assert KernelTuner(cpu, path).choose_prefetch([source]) is None
+    timed: list[int] = []
+    real = tuning._stream_seconds
+
+    def stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, float]:
+        timed.append(len(kernels))
+        return {n: 0.0 if n == "in-stream" else s for n, s in real(kernels, rounds).items()}
+
+    monkeypatch.setattr(tuning, "_stream_seconds", stream_seconds)
+    before = packed(x)
+    assert KernelTuner(cpu, path).choose_prefetch([source, packed]) == "in-stream"
+    assert timed == [1]  # only the packed kernel was timed
+    assert source.ahead_rows == packed.ahead_rows == PREFETCH_POLICIES["in-stream"]
+    assert torch.equal(packed(x), before)
+    packed.ahead_rows = PREFETCH_POLICIES["next-group"]
+    assert KernelTuner(cpu, path).choose_prefetch([packed]) == "in-stream"  # recalled, not timed again
+    assert timed == [1] and packed.ahead_rows == PREFETCH_POLICIES["in-stream"]
+
+
 def test_float32_rows_are_batch_invariant_bit_for_bit(tiny_llama: Path) -> None:
     """float32 on the CPU runs only row-invariant kernels (the native one; F.linear and oneDNN block
     by the number of rows): every prompt's logprobs are the same bits generated alone and with three
@@ -292,7 +326,7 @@ def test_operators_refuse_what_they_would_read_outside_of() -> None:
     decoder = torch.classes.specserve.Decoder(64, 128, 4, 2, 16, 1e-6, isa)
     layer = decoder.add_layer(torch.ones(64), torch.ones(64), torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16))
     with pytest.raises(RuntimeError, match=r"weight \[64, 64\] for \[128, 64\]"):
-        decoder.set_linear(layer, 0, 0, [torch.randn(64, 64)], [], None, isa)
+        decoder.set_linear(layer, 0, 0, [torch.randn(64, 64)], [], None, isa, 2)
     with pytest.raises(RuntimeError, match="layer 0 lacks a projection"):
         torch.ops.specserve.decoder_forward(decoder, torch.randn(1, 64), 1, torch.ones(1, 16), torch.zeros(1, 16),
                                             torch.zeros(1, dtype=torch.int64), *_items(), 1.0)

@@ -26,6 +26,10 @@ struct GemmTask {
     float* y;            // y[m * ldy + n]
     int64_t ldy;
     const float* bias;   // [N] or null
+    // Packed layouts: from tiles of this many activation rows on, the kernel asks L2 for the next group
+    // of weight rows while it works on this one (instead of the bytes just ahead in its own stream);
+    // larger than any tile: never. Which pays is the machine's (KernelTuner measures it per machine).
+    int64_t ahead_rows;
 };
 
 // Computes columns [n0, n1) of task.y for every activation row.

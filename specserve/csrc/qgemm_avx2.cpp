@@ -247,7 +247,7 @@ inline void dot_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, __m256*
 
 constexpr int kX8Bytes = 148 * 8;  // a packed super-block of eight rows
 
-// `ahead` (tiles of two rows or more): the next group's blocks asked of L2 instead of this group's
+// `ahead` (tiles of GemmTask::ahead_rows rows or more): the next group's blocks asked of L2 instead of this group's
 // next bytes of L1, as the AVX-512 kernels do (measured on a Zen 4 running this variant: 2 rows of
 // the 1.5B 41.5 -> 39.5 ms, 4 rows 62.6 -> 61.5).
 template <int R>
@@ -282,7 +282,7 @@ void gemm_q4kx8(const GemmTask& t, int64_t n0, int64_t n1) {
             const __m256 bias = t.bias ? _mm256_loadu_ps(t.bias + n) : _mm256_setzero_ps();
             for (int i = 0; i < mt; i += kX8Rows) {
                 const int rows = mt - i < kX8Rows ? mt - i : kX8Rows;
-                const uint8_t* ahead = i == 0 && mt >= 2 && n + 8 < n1 ? g + 8 * t.row_bytes : nullptr;
+                const uint8_t* ahead = i == 0 && mt >= t.ahead_rows && n + 8 < n1 ? g + 8 * t.row_bytes : nullptr;
                 switch (rows) {
                     case 4: group_q4kx8<4>(g, x + i * nb, nb, nb, out, ahead); break;
                     case 3: group_q4kx8<3>(g, x + i * nb, nb, nb, out, ahead); break;

@@ -282,7 +282,8 @@ struct Packed16<kQ4_1x16> : Legacy16<kQ4_1> {};
 template <>
 struct Packed16<kQ8_0x16> : Legacy16<kQ8_0> {};
 
-// A group against R activation rows. Where a tile has two rows or more, the next group's blocks
+// A group against R activation rows. Where a tile has GemmTask::ahead_rows rows or more (2 where the
+// machine's timing finds it pays: KernelTuner.choose_prefetch), the next group's blocks
 // (`ahead`) are asked of L2 as these are read: the work per byte is then long enough that the
 // nearer prefetch alone lets the memory idle, and the passes after the first read this group from
 // the cache (measured, 2-core Zen 4: 4 rows of a K = 8960 Q4_K projection 10.3 -> 6.6 ms, 16 rows of
@@ -336,7 +337,7 @@ void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
             const __m512 bias = t.bias ? _mm512_loadu_ps(t.bias + n) : _mm512_setzero_ps();
             for (int i = 0; i < mt; i += kRows) {
                 const int rows = mt - i < kRows ? mt - i : kRows;
-                const uint8_t* ahead = i == 0 && mt >= 2 && n + kX16 < n1 ? g + kX16 * t.row_bytes : nullptr;
+                const uint8_t* ahead = i == 0 && mt >= t.ahead_rows && n + kX16 < n1 ? g + kX16 * t.row_bytes : nullptr;
                 group16_rows<Type, kRows>(rows, g, x + i * nb, nb, out, ahead);
                 for (int r = 0; r < rows; r++) _mm512_storeu_ps(t.y + (m0 + i + r) * t.ldy + n, _mm512_add_ps(out[r], bias));
             }

@@ -14,25 +14,30 @@ from typing import Any
 import torch
 
 from specserve.model import ops
-from specserve.model.quant import GGUFLinearKernel, NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel
+from specserve.model.quant import (PREFETCH_POLICIES, GGUFLinearKernel, NativeF32Kernel, NativeInt4Kernel,
+                                   NativeInt8Kernel)
 
 # Decoder.set_linear's projection kinds (csrc/cpu_kernels.h: LIN_*)
 _F32, _INT8, _INT4, _GGUF = 0, 1, 2, 3
 
 
-def _linear(module: Any, isa: int) -> tuple[int, list[torch.Tensor], list[int], torch.Tensor | None, int] | None:
+_Linear = tuple[int, list[torch.Tensor], list[int], torch.Tensor | None, int, int]
+
+
+def _linear(module: Any, isa: int) -> _Linear | None:
     """set_linear's arguments for a projection (None: not a kernel the layer loop runs in variant `isa`)."""
     k = getattr(module, "kernel", None)
     if isinstance(k, GGUFLinearKernel):
-        return _GGUF, list(k.parts), list(k.types), k.bias, ops.isa_id(k.isa)
+        return _GGUF, list(k.parts), list(k.types), k.bias, ops.isa_id(k.isa), k.ahead_rows
     if getattr(k, "isa", None) != isa:
         return None
+    unused = PREFETCH_POLICIES["next-group"]
     if isinstance(k, NativeInt4Kernel):
-        return _INT4, [k.packed, k.scale, k.minimum], [], k.bias, isa
+        return _INT4, [k.packed, k.scale, k.minimum], [], k.bias, isa, unused
     if isinstance(k, NativeInt8Kernel):
-        return _INT8, [k.q, k.scale], [], k.bias, isa
+        return _INT8, [k.q, k.scale], [], k.bias, isa, unused
     if isinstance(k, NativeF32Kernel):
-        return _F32, [k.weight], [], k.bias, isa
+        return _F32, [k.weight], [], k.bias, isa, unused
     return None
 
 
@@ -64,8 +69,8 @@ class NativeDecoder:
             if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
                 return None
             index = decoder.add_layer(*norms, kc, vc)
-            for which, (kind, tensors, types, bias, part_isa) in enumerate(parts):
-                decoder.set_linear(index, which, kind, tensors, types, bias, part_isa)
+            for which, (kind, tensors, types, bias, part_isa, ahead_rows) in enumerate(parts):
+                decoder.set_linear(index, which, kind, tensors, types, bias, part_isa, ahead_rows)
         return NativeDecoder(decoder, eps)
 
     def __call__(self, x: torch.Tensor, num_layers: int, cos: torch.Tensor, sin: torch.Tensor, meta: Any,

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,12 +23,16 @@ import torch
 from torch import nn
 
 from specserve.isa import cache_root, cpu_info
-from specserve.model.quant import KernelFactory
+from specserve.model.ops import PACKED_BY_ID
+from specserve.model.quant import PREFETCH_POLICIES, GGUFLinearKernel, KernelFactory
 
 logger = logging.getLogger("specserve.model")
 
 # Rows a projection sees in a step: a decode, a few drafts, a small batch, a large batch.
 ROWS = (1, 4, 16, 64)
+# Rows at which the packed kernels' prefetch policies are compared (a draft tree's verification;
+# at one row they do the same).
+PREFETCH_ROWS = (2, 4)
 
 
 def machine_key(device: torch.device) -> str:
@@ -166,3 +172,47 @@ class KernelTuner:
         self._choices[key] = name
         self._write()
         return name, built[name]
+
+    def choose_prefetch(self, kernels: list[GGUFLinearKernel], rounds: int = 5) -> str | None:
+        """The packed GGUF kernels' prefetch policy (quant.PREFETCH_POLICIES) that streams these
+        weights fastest on this machine, set on every kernel: the model's own projections, all of
+        them once at each of PREFETCH_ROWS under each policy, in alternating rounds (the per-shape
+        timing of `choose` runs a projection whose weights sit in the cache; this runs them as a
+        forward does, from memory). Remembered per machine and size of the weights (to the nearest
+        power of two in MB). None where no kernel reads a packed layout (nothing to choose)."""
+        packed = [k for k in kernels if any(t in PACKED_BY_ID for t in k.types)]
+        if not packed:
+            return None
+        megabytes = sum(p.numel() for k in packed for p in k.parts) / 2**20
+        what = f"gguf-prefetch|{2 ** round(math.log2(max(megabytes, 1)))}MB"
+        medians: dict[str, float] = {}
+
+        def seconds(name: str) -> float:
+            if not medians:
+                medians.update(_stream_seconds(packed, rounds))
+            return medians[name]
+
+        name = self.decide(what, {n: (lambda n=n: seconds(n)) for n in PREFETCH_POLICIES})
+        for k in kernels:
+            k.ahead_rows = PREFETCH_POLICIES[name]
+        return name
+
+
+def _stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, float]:
+    """Median seconds of every kernel once at each of PREFETCH_ROWS under each prefetch policy,
+    the policies alternating round by round (kernels are left with the last policy timed)."""
+    xs = {(m, k.in_features): torch.randn(m, k.in_features) for m in PREFETCH_ROWS for k in kernels}
+    samples: dict[str, list[float]] = {n: [] for n in PREFETCH_POLICIES}
+    names = list(PREFETCH_POLICIES)
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # round 0 warms both up and is not counted
+            for name in names if r % 2 else names[::-1]:
+                for k in kernels:
+                    k.ahead_rows = PREFETCH_POLICIES[name]
+                start = time.perf_counter()
+                for m in PREFETCH_ROWS:
+                    for k in kernels:
+                        k(xs[(m, k.in_features)])
+                if r:
+                    samples[name].append(time.perf_counter() - start)
+    return {n: statistics.median(s) for n, s in samples.items()}
