@@ -69,10 +69,10 @@ def main() -> None:
     xs = {(m, k): torch.randn(m, k) for m in rows for k in {c for _, _, c in tensors}}
     weights = sum(t.rows * t.cols for t in chosen.values())
 
-    def once(isa: int, ts: list[tuple[torch.Tensor, int, int]], ahead_rows: int, m: int) -> float:
+    def once(isa: int, ts: list[tuple[torch.Tensor, int, int]], prefetch: int, m: int) -> float:
         start = time.perf_counter()
         for w, t, k in ts:
-            torch.ops.specserve.gguf_linear(xs[(m, k)], [w], [t], None, isa, ahead_rows)
+            torch.ops.specserve.gguf_linear(xs[(m, k)], [w], [t], None, isa, prefetch)
         return time.perf_counter() - start
 
     samples: dict[str, dict[int, list[float]]] = {n: {m: [] for m in rows} for n in candidates}

@@ -165,19 +165,19 @@ def test_every_variant_is_batch_invariant_bit_for_bit_on_packed_weights(isa: str
     """As for the file's blocks: a row alone and among 1..70 rows (tiles, groups of activation rows
     and the remainders) gives the same bits, under every prefetch policy the machine's timing can
     choose, and the same bits under each. 128 weight rows: each thread's chunk holds several
-    groups, so the kernels' path that asks for the next group ahead runs too (from `ahead_rows`)."""
+    groups, so the kernels' path that asks for the next group ahead runs too (policy "next-group")."""
     packed = _packed(_blocks(Q(t.source), 128, 512, seed=2)[0], t)
     x = torch.randn(70, 512)
     fulls = []
-    for ahead_rows in (*PREFETCH_POLICIES.values(), 5):
+    for prefetch in PREFETCH_POLICIES.values():
         def run(rows: torch.Tensor) -> torch.Tensor:
-            return torch.ops.specserve.gguf_linear(rows, [packed], [t.type_id], None, ops.isa_id(isa), ahead_rows)
+            return torch.ops.specserve.gguf_linear(rows, [packed], [t.type_id], None, ops.isa_id(isa), prefetch)
 
         full = run(x)
-        assert torch.equal(full, torch.cat([run(x[i:i + 1]) for i in range(70)])), ahead_rows
+        assert torch.equal(full, torch.cat([run(x[i:i + 1]) for i in range(70)])), prefetch
         for m in range(2, 70):
-            assert torch.equal(run(x[:m]), full[:m]), (ahead_rows, m)
-            assert torch.equal(run(x[70 - m:]), full[70 - m:]), (ahead_rows, m)
+            assert torch.equal(run(x[:m]), full[:m]), (prefetch, m)
+            assert torch.equal(run(x[70 - m:]), full[70 - m:]), (prefetch, m)
         fulls.append(full)
     assert all(torch.equal(f, fulls[0]) for f in fulls)
 
@@ -203,8 +203,9 @@ def test_packing_refuses_what_it_cannot_pack() -> None:
         _packed(_blocks(Q.Q4_K, 24, 512)[0], Q4KX16)
     with pytest.raises(RuntimeError, match="ggml type 14 has no packed layout 112"):
         torch.ops.specserve.gguf_pack(_blocks(Q.Q6_K, 8, 512)[0], int(Q.Q6_K), 512, 112)
-    with pytest.raises(RuntimeError, match="ahead_rows must be >= 1, got 0"):
-        torch.ops.specserve.gguf_linear(torch.randn(1, 512), [blocks], [int(Q.Q4_K)], None, 0, 0)
+    for policy in (-1, len(PREFETCH_POLICIES)):
+        with pytest.raises(RuntimeError, match=f"prefetch policy must be 0 to {len(PREFETCH_POLICIES) - 1}, got {policy}"):
+            torch.ops.specserve.gguf_linear(torch.randn(1, 512), [blocks], [int(Q.Q4_K)], None, 0, policy)
     with pytest.raises(RuntimeError, match="ggml type 12 has no packed layout 214"):
         torch.ops.specserve.gguf_pack(blocks, int(Q.Q4_K), 512, 214)
     with pytest.raises(RuntimeError, match="a packed tensor .* has a multiple of 8 rows, got 12"):

@@ -269,19 +269,20 @@ def test_the_prefetch_policy_is_timed_once_per_machine_and_set_on_every_kernel(
     timed: list[int] = []
     real = tuning._stream_seconds
 
-    def stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, float]:
+    def stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, dict[int, float]]:
         timed.append(len(kernels))
-        return {n: 0.0 if n == "in-stream" else s for n, s in real(kernels, rounds).items()}
+        return {n: {m: 1e-9 if n == "in-stream-8k" else t for m, t in by_rows.items()}
+                for n, by_rows in real(kernels, rounds).items()}
 
     monkeypatch.setattr(tuning, "_stream_seconds", stream_seconds)
     before = packed(x)
-    assert KernelTuner(cpu, path).choose_prefetch([source, packed]) == "in-stream"
+    assert KernelTuner(cpu, path).choose_prefetch([source, packed]) == "in-stream-8k"
     assert timed == [1]  # only the packed kernel was timed
-    assert source.ahead_rows == packed.ahead_rows == PREFETCH_POLICIES["in-stream"]
+    assert source.prefetch == packed.prefetch == PREFETCH_POLICIES["in-stream-8k"]
     assert torch.equal(packed(x), before)
-    packed.ahead_rows = PREFETCH_POLICIES["next-group"]
-    assert KernelTuner(cpu, path).choose_prefetch([packed]) == "in-stream"  # recalled, not timed again
-    assert timed == [1] and packed.ahead_rows == PREFETCH_POLICIES["in-stream"]
+    packed.prefetch = PREFETCH_POLICIES["next-group"]
+    assert KernelTuner(cpu, path).choose_prefetch([packed]) == "in-stream-8k"  # recalled, not timed again
+    assert timed == [1] and packed.prefetch == PREFETCH_POLICIES["in-stream-8k"]
 
 
 def test_float32_rows_are_batch_invariant_bit_for_bit(tiny_llama: Path) -> None:

@@ -292,13 +292,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
 struct GgufProjection {
     LinearPart parts[kMaxParts];
     int n_parts;
-    int64_t K, isa, ahead_rows;
+    int64_t K, isa, prefetch;
     const float* bias;
 };
 
 int gguf_projection(const void* ctx, const float* x, int M, float* y) {
     const auto* p = (const GgufProjection*)ctx;
-    linear_core(p->parts, p->n_parts, x, M, p->K, y, p->bias, p->isa, p->ahead_rows);
+    linear_core(p->parts, p->n_parts, x, M, p->K, y, p->bias, p->isa, p->prefetch);
     return 0;
 }
 
@@ -356,9 +356,9 @@ struct Decoder : torch::CustomClassHolder {
 
     // Projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: kind 0 float32 [weight],
     // 1 int8 [q, scale], 2 int4 [packed, scale, minimum] (run by this decoder's variant), 3 GGUF
-    // [parts] with their ggml `types`, its own variant `gguf_isa` and prefetch `ahead_rows` (qgemm.h).
+    // [parts] with their ggml `types`, its own variant `gguf_isa` and prefetch policy `prefetch` (qgemm.h).
     void set_linear(int64_t layer, int64_t which, int64_t kind, std::vector<at::Tensor> tensors,
-                    std::vector<int64_t> types, std::optional<at::Tensor> bias, int64_t gguf_isa, int64_t ahead_rows) {
+                    std::vector<int64_t> types, std::optional<at::Tensor> bias, int64_t gguf_isa, int64_t prefetch) {
         const char* what = "Decoder.set_linear";
         TORCH_CHECK(layer >= 0 && layer < (int64_t)layers.size(), what, ": no layer ", layer);
         const int64_t qkv = (heads + 2 * kv_heads) * head_dim;
@@ -413,13 +413,13 @@ struct Decoder : torch::CustomClassHolder {
                 at::Tensor probe = at::empty({0, K}, tensors[0].options().dtype(at::kFloat));
                 static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specserve::gguf_linear", "").typed<
                     at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, const std::optional<at::Tensor>&, int64_t, int64_t)>();
-                at::Tensor out = op.call(probe, parts, types, bias, gguf_isa, ahead_rows);
+                at::Tensor out = op.call(probe, parts, types, bias, gguf_isa, prefetch);
                 TORCH_CHECK(out.size(1) == N, what, ": GGUF parts of ", out.size(1), " rows for ", N);
                 auto g = std::make_unique<GgufProjection>();
                 g->n_parts = (int)tensors.size();
                 g->K = K;
                 g->isa = gguf_isa;
-                g->ahead_rows = ahead_rows;
+                g->prefetch = prefetch;
                 g->bias = lin.bias;
                 for (size_t i = 0; i < tensors.size(); i++)
                     g->parts[i] = {tensors[i].data_ptr<uint8_t>(), tensors[i].size(1), tensors[i].size(0), types[i]};

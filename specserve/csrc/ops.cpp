@@ -1,9 +1,9 @@
 // The package's CPU kernels as torch operators (namespace `specserve`): typed schemas, checked
 // arguments, visible to the profiler and to torch.compile (fake implementations in Python).
 //
-//   gguf_linear(x, weights, types, bias, isa, ahead_rows)   x [M, K] float32 times GGUF-quantized weight
+//   gguf_linear(x, weights, types, bias, isa, prefetch)   x [M, K] float32 times GGUF-quantized weight
 //       tensors stacked along N (each its own type, e.g. a fused q/k/v of Q4_K and Q6_K parts);
-//       ahead_rows: the packed kernels' prefetch (qgemm.h, GemmTask)
+//       prefetch: the packed kernels' prefetch policy (qgemm.h, kPrefetchPolicies)
 //   gguf_dequantize(blocks, type, cols)          a tensor's rows as float32
 //   gguf_embedding(ids, blocks, type, cols)      the rows `ids` as float32 (an embedding lookup)
 //   gguf_round_activations(x, block)             x as the integer kernels see it (tests)
@@ -119,7 +119,7 @@ Rounded round_activations(const at::Tensor& x, bool k, bool b) {
 }  // namespace
 
 void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M, int64_t K, float* y,
-                 const float* bias, int64_t isa, int64_t ahead_rows) {
+                 const float* bias, int64_t isa, int64_t prefetch) {
     bool need_k = false, need_b = false;
     int64_t N = 0;
     for (int i = 0; i < n_parts; i++) {
@@ -160,7 +160,7 @@ void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M
         const int type = (int)parts[i].type;
         tasks.push_back(GemmTask{type, parts[i].w, parts[i].row_bytes, K,
                                  is_k_quant(type) ? (const void*)xk : (const void*)xb, M, y + col, N,
-                                 bias ? bias + col : nullptr, ahead_rows});
+                                 bias ? bias + col : nullptr, prefetch});
         // small enough to balance the threads, large enough that each stretch of weights streams well:
         // every chunk starts a new stream the prefetchers ramp up on (measured on the 1.5B, 2-core
         // Zen 4, one process, eight interleaved rounds: two chunks a thread of up to 4096 rows against
@@ -187,13 +187,14 @@ void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M
 namespace {
 
 at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
-                       const std::optional<at::Tensor>& bias, int64_t isa, int64_t ahead_rows) {
+                       const std::optional<at::Tensor>& bias, int64_t isa, int64_t prefetch) {
     TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
                 "gguf_linear: x must be a 2-D float32 CPU tensor, got ", x_in.scalar_type(), " ", x_in.sizes());
     TORCH_CHECK(!weights.empty() && weights.size() == types.size() && weights.size() <= (size_t)kMaxParts,
                 "gguf_linear: ", weights.size(), " weight tensors and ", types.size(), " types (1 to ", kMaxParts, ")");
     TORCH_CHECK(isa_runs(isa), "gguf_linear: kernel variant ", isa, " cannot run on this CPU");
-    TORCH_CHECK(ahead_rows >= 1, "gguf_linear: ahead_rows must be >= 1, got ", ahead_rows);
+    TORCH_CHECK(prefetch >= 0 && prefetch < kPrefetchPolicyCount, "gguf_linear: prefetch policy must be 0 to ",
+                kPrefetchPolicyCount - 1, ", got ", prefetch);
     const at::Tensor x = x_in.contiguous();
     const int64_t M = x.size(0), K = x.size(1);
     LinearPart parts[kMaxParts];
@@ -214,7 +215,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, at::TensorList weights, at::IntAr
         bias_p = bias->data_ptr<float>();
     }
     at::Tensor y = at::empty({M, N}, x.options());
-    linear_core(parts, (int)weights.size(), x.data_ptr<float>(), M, K, y.data_ptr<float>(), bias_p, isa, ahead_rows);
+    linear_core(parts, (int)weights.size(), x.data_ptr<float>(), M, K, y.data_ptr<float>(), bias_p, isa, prefetch);
     return y;
 }
 
@@ -350,7 +351,7 @@ int64_t gguf_skip_strings(const at::Tensor& data, int64_t pos, int64_t count) {
 }  // namespace specserve
 
 TORCH_LIBRARY(specserve, m) {
-    m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int isa, int ahead_rows=2) -> Tensor");
+    m.def("gguf_linear(Tensor x, Tensor[] weights, int[] types, Tensor? bias, int isa, int prefetch=0) -> Tensor");
     m.def("gguf_dequantize(Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_embedding(Tensor ids, Tensor blocks, int type, int cols) -> Tensor");
     m.def("gguf_round_activations(Tensor x, int block) -> Tensor");

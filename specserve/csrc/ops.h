@@ -24,8 +24,8 @@ struct LinearPart {
 // y[M, sum rows] = x[M, K] times the parts stacked along the output (+ bias): the activations
 // rounded once per type family, then chunks of output columns of every part taken dynamically by
 // the threads (parts of different types cost different time per column). Arguments checked by
-// the caller. `ahead_rows`: GemmTask's.
+// the caller. `prefetch`: GemmTask's (an index into kPrefetchPolicies).
 void linear_core(const LinearPart* parts, int n_parts, const float* x, int64_t M, int64_t K, float* y,
-                 const float* bias, int64_t isa, int64_t ahead_rows);
+                 const float* bias, int64_t isa, int64_t prefetch);
 
 }  // namespace specserve

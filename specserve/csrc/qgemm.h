@@ -26,11 +26,20 @@ struct GemmTask {
     float* y;            // y[m * ldy + n]
     int64_t ldy;
     const float* bias;   // [N] or null
-    // Packed layouts: from tiles of this many activation rows on, the kernel asks L2 for the next group
-    // of weight rows while it works on this one (instead of the bytes just ahead in its own stream);
-    // larger than any tile: never. Which pays is the machine's (KernelTuner measures it per machine).
-    int64_t ahead_rows;
+    int64_t prefetch;    // how a packed kernel prefetches: an index into kPrefetchPolicies
 };
+
+// How a packed kernel prefetches the weights it streams: from tiles of `ahead_rows` activation rows
+// on, the next group of weight rows is asked of L2 while this one is worked on; otherwise the bytes
+// `distance` ahead in its own stream are asked of L1. Which pays is the machine's (a 2-core Zen 4: the
+// next group, 4 rows of the 1.5B 10% faster; a 2-core Zen 5: 8 KB ahead, 4 rows 15-25% faster):
+// KernelTuner.choose_prefetch times them on the model (quant.PREFETCH_POLICIES names them, in this order).
+struct PrefetchPolicy {
+    int ahead_rows;
+    int distance;
+};
+constexpr PrefetchPolicy kPrefetchPolicies[] = {{2, 2048}, {1 << 30, 2048}, {1 << 30, 8192}};
+constexpr int kPrefetchPolicyCount = sizeof(kPrefetchPolicies) / sizeof(kPrefetchPolicies[0]);
 
 // Computes columns [n0, n1) of task.y for every activation row.
 using GemmFn = void (*)(const GemmTask& task, int64_t n0, int64_t n1);

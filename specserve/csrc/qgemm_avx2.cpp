@@ -247,11 +247,12 @@ inline void dot_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, __m256*
 
 constexpr int kX8Bytes = 148 * 8;  // a packed super-block of eight rows
 
-// `ahead` (tiles of GemmTask::ahead_rows rows or more): the next group's blocks asked of L2 instead of this group's
+// `ahead` (where the prefetch policy says so, qgemm.h): the next group's blocks asked of L2 instead of this group's
 // next bytes of L1, as the AVX-512 kernels do (measured on a Zen 4 running this variant: 2 rows of
 // the 1.5B 41.5 -> 39.5 ms, 4 rows 62.6 -> 61.5).
 template <int R>
-inline void group_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m256* out, const uint8_t* ahead) {
+inline void group_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, int64_t nb, __m256* out, const uint8_t* ahead,
+                        int distance) {
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -259,7 +260,7 @@ inline void group_q4kx8(const uint8_t* g, const ActQ8K* x, int64_t stride, int64
         if (ahead)
             for (int l = 0; l < kX8Bytes; l += 64) _mm_prefetch((const char*)(ahead + b * kX8Bytes + l), _MM_HINT_T1);
         else
-            for (int l = 0; l < kX8Bytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+            for (int l = 0; l < kX8Bytes; l += 64) _mm_prefetch((const char*)(blk + distance + l), _MM_HINT_T0);
         dot_q4kx8<R>(blk, x + b, stride, acc);
     }
     for (int r = 0; r < R; r++) out[r] = acc[r];
@@ -273,6 +274,7 @@ void gemm_q4kx8(const GemmTask& t, int64_t n0, int64_t n1) {
     const int64_t nb = t.K / kQK;
     const int tile = tile_rows(t.K);
     const ActQ8K* xq = (const ActQ8K*)t.xq;
+    const PrefetchPolicy policy = kPrefetchPolicies[t.prefetch];
     __m256 out[kX8Rows];
     for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
         const int mt = (int)min64(tile, t.M - m0);
@@ -282,12 +284,13 @@ void gemm_q4kx8(const GemmTask& t, int64_t n0, int64_t n1) {
             const __m256 bias = t.bias ? _mm256_loadu_ps(t.bias + n) : _mm256_setzero_ps();
             for (int i = 0; i < mt; i += kX8Rows) {
                 const int rows = mt - i < kX8Rows ? mt - i : kX8Rows;
-                const uint8_t* ahead = i == 0 && mt >= t.ahead_rows && n + 8 < n1 ? g + 8 * t.row_bytes : nullptr;
+                const uint8_t* ahead = i == 0 && mt >= policy.ahead_rows && n + 8 < n1 ? g + 8 * t.row_bytes : nullptr;
+                const int d = policy.distance;
                 switch (rows) {
-                    case 4: group_q4kx8<4>(g, x + i * nb, nb, nb, out, ahead); break;
-                    case 3: group_q4kx8<3>(g, x + i * nb, nb, nb, out, ahead); break;
-                    case 2: group_q4kx8<2>(g, x + i * nb, nb, nb, out, ahead); break;
-                    default: group_q4kx8<1>(g, x + i * nb, nb, nb, out, ahead); break;
+                    case 4: group_q4kx8<4>(g, x + i * nb, nb, nb, out, ahead, d); break;
+                    case 3: group_q4kx8<3>(g, x + i * nb, nb, nb, out, ahead, d); break;
+                    case 2: group_q4kx8<2>(g, x + i * nb, nb, nb, out, ahead, d); break;
+                    default: group_q4kx8<1>(g, x + i * nb, nb, nb, out, ahead, d); break;
                 }
                 for (int r = 0; r < rows; r++) _mm256_storeu_ps(t.y + (m0 + i + r) * t.ldy + n, _mm256_add_ps(out[r], bias));
             }

@@ -30,7 +30,6 @@ namespace avx512 {
 namespace {
 
 constexpr int kMaxTile = 64;
-constexpr int kPrefetch = 2048;  // weight bytes ahead asked of the cache (as the AVX2 kernels)
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -282,8 +281,8 @@ struct Packed16<kQ4_1x16> : Legacy16<kQ4_1> {};
 template <>
 struct Packed16<kQ8_0x16> : Legacy16<kQ8_0> {};
 
-// A group against R activation rows. Where a tile has GemmTask::ahead_rows rows or more (2 where the
-// machine's timing finds it pays: KernelTuner.choose_prefetch), the next group's blocks
+// A group against R activation rows. Where the prefetch policy says so (qgemm.h: a tile of two rows or
+// more, on a machine where the timing finds it pays), the next group's blocks
 // (`ahead`) are asked of L2 as these are read: the work per byte is then long enough that the
 // nearer prefetch alone lets the memory idle, and the passes after the first read this group from
 // the cache (measured, 2-core Zen 4: 4 rows of a K = 8960 Q4_K projection 10.3 -> 6.6 ms, 16 rows of
@@ -295,7 +294,7 @@ struct Packed16<kQ8_0x16> : Legacy16<kQ8_0> {};
 // 49.9 -> 40.8, 16 rows 128.1 -> 122.7.
 template <int Type, int R, bool kAhead>
 inline void group16(const uint8_t* g, const typename Packed16<Type>::Act* x, int64_t stride, int64_t nb, __m512* out,
-                    const uint8_t* ahead) {
+                    const uint8_t* ahead, int distance) {
     using P = Packed16<Type>;
     __m512 acc[P::kChains][R];
     for (int c = 0; c < P::kChains; c++)
@@ -303,7 +302,7 @@ inline void group16(const uint8_t* g, const typename Packed16<Type>::Act* x, int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = g + b * P::kBytes;
         if constexpr (!kAhead)
-            for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(blk + kPrefetch + l), _MM_HINT_T0);
+            for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(blk + distance + l), _MM_HINT_T0);
         else if constexpr (!P::kSpreads)
             for (int l = 0; l < P::kBytes; l += 64) _mm_prefetch((const char*)(ahead + b * P::kBytes + l), _MM_HINT_T1);
         P::template dot<R, kAhead && P::kSpreads>(blk, x + b, stride, acc[b % P::kChains], kAhead ? ahead + b * P::kBytes : nullptr);
@@ -313,12 +312,12 @@ inline void group16(const uint8_t* g, const typename Packed16<Type>::Act* x, int
 
 template <int Type, int R>
 inline void group16_rows(int rows, const uint8_t* g, const typename Packed16<Type>::Act* x, int64_t nb, __m512* out,
-                         const uint8_t* ahead) {
+                         const uint8_t* ahead, int distance) {
     if constexpr (R > 1) {
-        if (rows < R) return group16_rows<Type, R - 1>(rows, g, x, nb, out, ahead);
+        if (rows < R) return group16_rows<Type, R - 1>(rows, g, x, nb, out, ahead, distance);
     }
-    if (ahead) group16<Type, R, true>(g, x, nb, nb, out, ahead);
-    else group16<Type, R, false>(g, x, nb, nb, out, nullptr);
+    if (ahead) group16<Type, R, true>(g, x, nb, nb, out, ahead, distance);
+    else group16<Type, R, false>(g, x, nb, nb, out, nullptr, distance);
 }
 
 template <int Type>
@@ -328,6 +327,7 @@ void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
     const int64_t nb = t.K / P::kElems;
     const int tile = tile_rows(t.K);
     const typename P::Act* xq = (const typename P::Act*)t.xq;
+    const PrefetchPolicy policy = kPrefetchPolicies[t.prefetch];
     __m512 out[kRows];
     for (int64_t m0 = 0; m0 < t.M; m0 += tile) {
         const int mt = (int)min64(tile, t.M - m0);
@@ -337,8 +337,8 @@ void gemm_packed16(const GemmTask& t, int64_t n0, int64_t n1) {
             const __m512 bias = t.bias ? _mm512_loadu_ps(t.bias + n) : _mm512_setzero_ps();
             for (int i = 0; i < mt; i += kRows) {
                 const int rows = mt - i < kRows ? mt - i : kRows;
-                const uint8_t* ahead = i == 0 && mt >= t.ahead_rows && n + kX16 < n1 ? g + kX16 * t.row_bytes : nullptr;
-                group16_rows<Type, kRows>(rows, g, x + i * nb, nb, out, ahead);
+                const uint8_t* ahead = i == 0 && mt >= policy.ahead_rows && n + kX16 < n1 ? g + kX16 * t.row_bytes : nullptr;
+                group16_rows<Type, kRows>(rows, g, x + i * nb, nb, out, ahead, policy.distance);
                 for (int r = 0; r < rows; r++) _mm512_storeu_ps(t.y + (m0 + i + r) * t.ldy + n, _mm512_add_ps(out[r], bias));
             }
         }

@@ -28,7 +28,7 @@ def _linear(module: Any, isa: int) -> _Linear | None:
     """set_linear's arguments for a projection (None: not a kernel the layer loop runs in variant `isa`)."""
     k = getattr(module, "kernel", None)
     if isinstance(k, GGUFLinearKernel):
-        return _GGUF, list(k.parts), list(k.types), k.bias, ops.isa_id(k.isa), k.ahead_rows
+        return _GGUF, list(k.parts), list(k.types), k.bias, ops.isa_id(k.isa), k.prefetch
     if getattr(k, "isa", None) != isa:
         return None
     unused = PREFETCH_POLICIES["next-group"]
@@ -69,8 +69,8 @@ class NativeDecoder:
             if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
                 return None
             index = decoder.add_layer(*norms, kc, vc)
-            for which, (kind, tensors, types, bias, part_isa, ahead_rows) in enumerate(parts):
-                decoder.set_linear(index, which, kind, tensors, types, bias, part_isa, ahead_rows)
+            for which, (kind, tensors, types, bias, part_isa, prefetch) in enumerate(parts):
+                decoder.set_linear(index, which, kind, tensors, types, bias, part_isa, prefetch)
         return NativeDecoder(decoder, eps)
 
     def __call__(self, x: torch.Tensor, num_layers: int, cos: torch.Tensor, sin: torch.Tensor, meta: Any,

@@ -87,7 +87,7 @@ def load() -> None:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("specserve::gguf_linear")
-    def _(x, weights, types, bias, isa, ahead_rows=2):  # type: ignore[no-untyped-def]
+    def _(x, weights, types, bias, isa, prefetch=0):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
 
     @torch.library.register_fake("specserve::gguf_dequantize")

@@ -301,12 +301,13 @@ class NativeInt4Kernel(_NativeKernel):
 # -- GGUF blocks as the file stores them (csrc/ops.cpp: torch.ops.specserve.*) --------------------
 
 
-# How the packed GGUF kernels prefetch the weights they stream (csrc/qgemm.h, GemmTask::ahead_rows):
-# "next-group": from tiles of two activation rows on, the next group of weight rows asked of L2 while
-# this one is worked on (a 2-core Zen 4: 4 rows of the 1.5B 10% faster); "in-stream": always the bytes
-# just ahead in the kernel's own stream (a 2-core Zen 5: 4 rows 15% faster). Chosen per machine by
-# measurement.
-PREFETCH_POLICIES = {"next-group": 2, "in-stream": 1 << 30}
+# How the packed GGUF kernels prefetch the weights they stream (csrc/qgemm.h, kPrefetchPolicies, in
+# this order): "next-group": from tiles of two activation rows on, the next group of weight rows asked
+# of L2 while this one is worked on, else 2 KB ahead in the kernel's own stream (a 2-core Zen 4: 4 rows
+# of the 1.5B 10% faster than 2 KB ahead alone); "in-stream-2k" and "in-stream-8k": always 2 or 8 KB
+# ahead in the stream (a 2-core Zen 5: 4 rows 15-25% faster at 8 KB). Chosen per machine by measurement
+# (KernelTuner.choose_prefetch).
+PREFETCH_POLICIES = {"next-group": 0, "in-stream-2k": 1, "in-stream-8k": 2}
 
 
 class GGUFLinearKernel(nn.Module):
@@ -324,7 +325,7 @@ class GGUFLinearKernel(nn.Module):
         self.types = list(types)
         self.isa = isa
         self._isa_id = ops.isa_id(isa)
-        self.ahead_rows = PREFETCH_POLICIES["next-group"]  # the packed kernels' prefetch (KernelTuner.choose_prefetch)
+        self.prefetch = PREFETCH_POLICIES["next-group"]  # the packed kernels' prefetch (KernelTuner.choose_prefetch)
         self.out_features = sum(p.shape[0] for p in parts)
         self.in_features = _gguf_cols(parts[0], types[0])
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
@@ -332,10 +333,10 @@ class GGUFLinearKernel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:
             return torch.ops.specserve.gguf_linear(x, self.parts, self.types, self.bias, self._isa_id,
-                                                   self.ahead_rows)
+                                                   self.prefetch)
         shape = x.shape
         y = torch.ops.specserve.gguf_linear(x.reshape(-1, shape[-1]).float(), self.parts, self.types, self.bias,
-                                            self._isa_id, self.ahead_rows)
+                                            self._isa_id, self.prefetch)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 

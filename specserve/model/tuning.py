@@ -30,9 +30,9 @@ logger = logging.getLogger("specserve.model")
 
 # Rows a projection sees in a step: a decode, a few drafts, a small batch, a large batch.
 ROWS = (1, 4, 16, 64)
-# Rows at which the packed kernels' prefetch policies are compared (a draft tree's verification;
-# at one row they do the same).
-PREFETCH_ROWS = (2, 4)
+# Rows at which the packed kernels' prefetch policies are compared: a decode, draft trees' verification,
+# a batch.
+PREFETCH_ROWS = (1, 2, 4, 8)
 
 
 def machine_key(device: torch.device) -> str:
@@ -178,41 +178,45 @@ class KernelTuner:
         weights fastest on this machine, set on every kernel: the model's own projections, all of
         them once at each of PREFETCH_ROWS under each policy, in alternating rounds (the per-shape
         timing of `choose` runs a projection whose weights sit in the cache; this runs them as a
-        forward does, from memory). Remembered per machine and size of the weights (to the nearest
-        power of two in MB). None where no kernel reads a packed layout (nothing to choose)."""
+        forward does, from memory); as in `choose`, the least time relative to the best at each row
+        count, every row count weighing the same. Remembered per machine and size of the weights (to
+        the nearest power of two in MB). None where no kernel reads a packed layout."""
         packed = [k for k in kernels if any(t in PACKED_BY_ID for t in k.types)]
         if not packed:
             return None
         megabytes = sum(p.numel() for k in packed for p in k.parts) / 2**20
         what = f"gguf-prefetch|{2 ** round(math.log2(max(megabytes, 1)))}MB"
-        medians: dict[str, float] = {}
+        scores: dict[str, float] = {}
 
-        def seconds(name: str) -> float:
-            if not medians:
-                medians.update(_stream_seconds(packed, rounds))
-            return medians[name]
+        def score(name: str) -> float:
+            if not scores:
+                medians = _stream_seconds(packed, rounds)
+                best = {m: min(t[m] for t in medians.values()) for m in PREFETCH_ROWS}
+                scale = sum(best.values()) / len(PREFETCH_ROWS)  # in seconds: the best policies' time, all rows
+                scores.update({n: scale * sum(t[m] / best[m] for m in PREFETCH_ROWS) for n, t in medians.items()})
+            return scores[name]
 
-        name = self.decide(what, {n: (lambda n=n: seconds(n)) for n in PREFETCH_POLICIES})
+        name = self.decide(what, {n: (lambda n=n: score(n)) for n in PREFETCH_POLICIES})
         for k in kernels:
-            k.ahead_rows = PREFETCH_POLICIES[name]
+            k.prefetch = PREFETCH_POLICIES[name]
         return name
 
 
-def _stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, float]:
-    """Median seconds of every kernel once at each of PREFETCH_ROWS under each prefetch policy,
-    the policies alternating round by round (kernels are left with the last policy timed)."""
+def _stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, dict[int, float]]:
+    """Median seconds of every kernel once, at each of PREFETCH_ROWS, under each prefetch policy, the
+    policies alternating round by round (kernels are left with the last policy timed)."""
     xs = {(m, k.in_features): torch.randn(m, k.in_features) for m in PREFETCH_ROWS for k in kernels}
-    samples: dict[str, list[float]] = {n: [] for n in PREFETCH_POLICIES}
+    samples: dict[str, dict[int, list[float]]] = {n: {m: [] for m in PREFETCH_ROWS} for n in PREFETCH_POLICIES}
     names = list(PREFETCH_POLICIES)
     with torch.inference_mode():
-        for r in range(rounds + 1):  # round 0 warms both up and is not counted
+        for r in range(rounds + 1):  # round 0 warms every policy up and is not counted
             for name in names if r % 2 else names[::-1]:
                 for k in kernels:
-                    k.ahead_rows = PREFETCH_POLICIES[name]
-                start = time.perf_counter()
+                    k.prefetch = PREFETCH_POLICIES[name]
                 for m in PREFETCH_ROWS:
+                    start = time.perf_counter()
                     for k in kernels:
                         k(xs[(m, k.in_features)])
-                if r:
-                    samples[name].append(time.perf_counter() - start)
-    return {n: statistics.median(s) for n, s in samples.items()}
+                    if r:
+                        samples[name][m].append(time.perf_counter() - start)
+    return {n: {m: statistics.median(s) for m, s in by_rows.items()} for n, by_rows in samples.items()}
