@@ -26,6 +26,9 @@ def main() -> None:
     p.add_argument("--layout", choices=["file", "packed"], default="packed",
                    help="Q4_K as the file stores it, or packed as the variant reads it (x8 for avx2, x16 for "
                         "avx512vnni: what the engine picks)")
+    p.add_argument("--prefetch", default="next-group",
+                   help="the packed kernels' prefetch policy (quant.PREFETCH_POLICIES; the engine's is the machine's "
+                        "timed choice, logged at load as `prefetch NAME`)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -35,6 +38,9 @@ def main() -> None:
     ops.load()
     isa_name = a.isa or ops.runnable_isas()[-1]
     isa = ops.isa_id(isa_name)
+    from specserve.model.quant import PREFETCH_POLICIES
+
+    prefetch = PREFETCH_POLICIES[a.prefetch]
     g = GGUFFile(a.gguf)
     from specserve.model.quant import pack_gguf_parts
 
@@ -50,7 +56,7 @@ def main() -> None:
     def gemv() -> float:
         start = time.perf_counter()
         for w, t, k in tensors:
-            torch.ops.specserve.gguf_linear(xs[k], [w], [t], None, isa)
+            torch.ops.specserve.gguf_linear(xs[k], [w], [t], None, isa, prefetch)
         return total / (time.perf_counter() - start)
 
     def probe_mapped() -> float:
@@ -76,7 +82,7 @@ def main() -> None:
     print(f"gemv: {total / 1e6:.0f} MB per row in {total / med['gemv'] / 1e6:.1f} ms, "
           f"{med['gemv'] / best_probe:.0%} of the probe's bandwidth")
     if a.json:
-        a.json.write_text(json.dumps({"gguf": a.gguf, "layout": a.layout, "threads": a.threads, "bytes": total,
+        a.json.write_text(json.dumps({"gguf": a.gguf, "layout": a.layout, "prefetch": a.prefetch, "threads": a.threads, "bytes": total,
                                       "gb_per_s": med,
                                       "ratio": med["gemv"] / best_probe}, indent=1))
 
