@@ -82,8 +82,8 @@ def main() -> None:
     print(f"gemv: {total / 1e6:.0f} MB per row in {total / med['gemv'] / 1e6:.1f} ms, "
           f"{med['gemv'] / best_probe:.0%} of the probe's bandwidth")
     if a.json:
-        a.json.write_text(json.dumps({"gguf": a.gguf, "layout": a.layout, "prefetch": a.prefetch, "threads": a.threads, "bytes": total,
-                                      "gb_per_s": med,
+        a.json.write_text(json.dumps({"gguf": a.gguf, "layout": a.layout, "prefetch": a.prefetch, "threads": a.threads,
+                                      "bytes": total, "gb_per_s": med,
                                       "ratio": med["gemv"] / best_probe}, indent=1))
 
 

@@ -76,12 +76,12 @@ def main() -> None:
         return time.perf_counter() - start
 
     samples: dict[str, dict[int, list[float]]] = {n: {m: [] for m in rows} for n in candidates}
-    for name, (isa, ts, ahead) in candidates.items():  # warm every candidate once
-        once(isa, ts, ahead, 1)
+    for name, (isa, ts, prefetch) in candidates.items():  # warm every candidate once
+        once(isa, ts, prefetch, 1)
     for r in range(a.rounds):
-        for name, (isa, ts, ahead) in candidates.items():
+        for name, (isa, ts, prefetch) in candidates.items():
             for m in rows:
-                samples[name][m].append(once(isa, ts, ahead, m))
+                samples[name][m].append(once(isa, ts, prefetch, m))
     print(f"{cpu_name()}, {a.threads} threads, {weights / 1e9:.2f} G weights; ms (median of {a.rounds}) and x one row")
     print("candidate".ljust(28) + "".join(f"{m:>16}" for m in rows))
     result = {}
