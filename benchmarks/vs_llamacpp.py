@@ -19,7 +19,8 @@ streamed; tokens/s counts the tokens each answer actually has (answers differ in
 engines), and each answer is checked against its schema.
 
 With `--in-process`, each specserve configuration is also run in this process after the servers
-stop (`LLM.chat` on the same prompts, same options, one at a time): the server's overhead per
+stop (`LLM.chat` on the same prompts, same options, every engine built first and the prompts taken
+by each in turn): the server's overhead per
 token is the ratio of the two.
 """
 
@@ -125,22 +126,28 @@ def structured_chat(port: int, prompt: str, schema: dict, max_tokens: int) -> tu
     return seconds, int(answer["usage"]["completion_tokens"]), answer["choices"][0]["message"]["content"]
 
 
-def in_process_seconds(args: str, prompts: list[str], max_tokens: int, threads: int) -> list[float]:
-    """Seconds per prompt through LLM.chat with the options a server was given."""
+def in_process_seconds(configs: dict[str, str], prompts: list[str], max_tokens: int,
+                       threads: int) -> dict[str, list[float]]:
+    """Seconds per prompt through LLM.chat with the options each server was given: every engine
+    built first, then each prompt on each in turn (as the servers were driven), so that a minute
+    of slower memory falls on all of them alike."""
     from specserve import LLM, SamplingParams
     from specserve.entrypoints.engine_args import EngineArgs
 
-    parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
-    options, _ = parser.parse_known_args([*shlex.split(args), "--threads", str(threads)])
-    llm = LLM.from_engine_args(EngineArgs.from_cli(options))
+    llms = {}
+    for name, args in configs.items():
+        parser = argparse.ArgumentParser()
+        EngineArgs.add_cli_args(parser)
+        options, _ = parser.parse_known_args([*shlex.split(args), "--threads", str(threads)])
+        llms[name] = LLM.from_engine_args(EngineArgs.from_cli(options))
+        llms[name].chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    seconds = []
+    seconds: dict[str, list[float]] = {name: [] for name in configs}
     for prompt in prompts:
-        start = time.perf_counter()
-        llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+            seconds[name].append(time.perf_counter() - start)
     return seconds
 
 
@@ -222,8 +229,8 @@ def main() -> None:
         for c in configs:
             c.stop()
     if a.in_process and not structured:
-        for name, args in in_process.items():
-            seconds = in_process_seconds(args, [s.prompt for s in samples] * a.rounds, a.max_tokens, a.threads)
+        timed = in_process_seconds(in_process, [s.prompt for s in samples] * a.rounds, a.max_tokens, a.threads)
+        for name, seconds in timed.items():
             configs.append(Config(f"{name} (LLM.chat)", [], 0, seconds=seconds))
     base = configs[0]
     rows = []
