@@ -19,7 +19,8 @@ from specserve.model.attention.cpu_paged import CpuPagedBackend
 from specserve.model.attention.sdpa import SdpaBackend
 from specserve.model.tuning import KernelTuner
 from specserve.model.quant import (
-    PREFETCH_POLICIES, GGUFLinearKernel, NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, quantize_int4, quantize_int8,
+    PREFETCH_POLICIES, GGUFLinearKernel, NativeF32Kernel, NativeInt4Kernel, NativeInt8Kernel, quantize_int4,
+    quantize_int8,
 )
 
 from conftest import random_prompts
@@ -252,9 +253,10 @@ def test_tuner_decide_takes_the_fastest_and_remembers_it(tmp_path: Path) -> None
 
 def test_the_prefetch_policy_is_timed_once_per_machine_and_set_on_every_kernel(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`choose_prefetch` times the policies on the packed kernels it is given (alternating rounds),
-    sets the winner on every kernel (results unchanged), and a later load on this machine recalls
-    it without timing; with no packed kernel there is nothing to choose."""
+    """`choose_prefetch` times the policies on the packed kernels of the modules it is given
+    (alternating rounds), sets the winner on every GGUF kernel in them (results unchanged), and a
+    later load on this machine recalls it without timing; with no packed kernel there is nothing to
+    choose."""
     import gguf
 
     from specserve.model import tuning
@@ -265,7 +267,7 @@ def test_the_prefetch_policy_is_timed_once_per_machine_and_set_on_every_kernel(
     source = GGUFLinearKernel([blocks], [q8_0], None, "generic")  # the file's layout
     packed = GGUFLinearKernel([torch.ops.specserve.gguf_pack(blocks, q8_0, 256, q8_0x16)], [q8_0x16], None, "generic")
     path, cpu, x = tmp_path / "choices.json", torch.device("cpu"), torch.randn(3, 256)
-    assert KernelTuner(cpu, path).choose_prefetch([source]) is None
+    assert KernelTuner(cpu, path).choose_prefetch(source) is None
     timed: list[int] = []
     real = tuning._stream_seconds
 
@@ -276,12 +278,12 @@ def test_the_prefetch_policy_is_timed_once_per_machine_and_set_on_every_kernel(
 
     monkeypatch.setattr(tuning, "_stream_seconds", stream_seconds)
     before = packed(x)
-    assert KernelTuner(cpu, path).choose_prefetch([source, packed]) == "in-stream-8k"
+    assert KernelTuner(cpu, path).choose_prefetch(torch.nn.Sequential(source), packed) == "in-stream-8k"
     assert timed == [1]  # only the packed kernel was timed
     assert source.prefetch == packed.prefetch == PREFETCH_POLICIES["in-stream-8k"]
     assert torch.equal(packed(x), before)
     packed.prefetch = PREFETCH_POLICIES["next-group"]
-    assert KernelTuner(cpu, path).choose_prefetch([packed]) == "in-stream-8k"  # recalled, not timed again
+    assert KernelTuner(cpu, path).choose_prefetch(packed) == "in-stream-8k"  # recalled, not timed again
     assert timed == [1] and packed.prefetch == PREFETCH_POLICIES["in-stream-8k"]
 
 

@@ -22,7 +22,7 @@ from specserve.model.gguf_file import GGUFFile
 from specserve.model.gguf_model import gguf_config, gguf_tokenizer_dir, install_gguf_weights, rope_freq_factors
 from specserve.model.loader import (DEFAULT_MODEL, gguf_behind, gguf_int4_source, load_model_files,
                                     resolve_quantization)
-from specserve.model.quant import GGUFLinearKernel, prepare_linears
+from specserve.model.quant import prepare_linears
 from specserve.model.tuning import KernelTuner
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -101,8 +101,7 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None)
         net = LlamaForCausalLM(cfg, max_positions=limit)
     tuner = KernelTuner(torch.device("cpu"))
     chosen = install_gguf_weights(net, g, cfg, tuner.choose)
-    kernels = [m.kernel for m in net.modules() if isinstance(getattr(m, "kernel", None), GGUFLinearKernel)]
-    prefetch = tuner.choose_prefetch(kernels)
+    prefetch = tuner.choose_prefetch(net)
     net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors(g))
     net.eval()
     logger.info("%s: weights in the file's blocks (%s); kernels: %s; prefetch %s; loaded in %.1f s", path.name,

@@ -173,14 +173,16 @@ class KernelTuner:
         self._write()
         return name, built[name]
 
-    def choose_prefetch(self, kernels: list[GGUFLinearKernel], rounds: int = 5) -> str | None:
+    def choose_prefetch(self, *modules: nn.Module, rounds: int = 5) -> str | None:
         """The packed GGUF kernels' prefetch policy (quant.PREFETCH_POLICIES) that streams these
-        weights fastest on this machine, set on every kernel: the model's own projections, all of
+        modules' weights fastest on this machine, set on every GGUF kernel in them (a model, or a
+        draft head and its readout): their own projections, all of
         them once at each of PREFETCH_ROWS under each policy, in alternating rounds (the per-shape
         timing of `choose` runs a projection whose weights sit in the cache; this runs them as a
         forward does, from memory); as in `choose`, the least time relative to the best at each row
         count, every row count weighing the same. Remembered per machine and size of the weights (to
         the nearest power of two in MB). None where no kernel reads a packed layout."""
+        kernels = [k for m in modules for k in m.modules() if isinstance(k, GGUFLinearKernel)]
         packed = [k for k in kernels if any(t in PACKED_BY_ID for t in k.types)]
         if not packed:
             return None

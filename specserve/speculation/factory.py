@@ -154,4 +154,5 @@ def _eagle(spec: SpeculativeConfig, target: ModelHandle, gen: torch.Generator) -
     tuner = KernelTuner(device)
     prepare_linears(head, precision, tuner.choose, more=more)
     prepare_linears(readout, precision, tuner.choose, more=more)
+    tuner.choose_prefetch(head, readout)  # where the timing took the GGUF kernels for them
     return EagleDrafter(head, model.embed_tokens, cfg.vocab_size, readout, gen, max_depth=max(1, spec.num_tokens))
