@@ -9,7 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.speculation.sampler import Sampler, apply_filters, apply_penalties, row_argmax, row_topk_ids
+from specserve.model import cpu_ops, ops
+from specserve.model.ops import ISAS
+from specserve.speculation.sampler import (Sampler, apply_filters, apply_penalties, chunked_topk_ids, row_argmax,
+                                          row_topk_ids)
 from specserve.engine.sequence import Sequence
 from specserve.sampling_params import SamplingParams
 
@@ -182,8 +185,9 @@ def test_row_argmax_is_torch_argmax_ties_and_nan_included() -> None:
 
 @pytest.mark.parametrize("vocab", [49152, 151936, 258])
 def test_row_topk_ids_are_topks(vocab: int) -> None:
-    """The two-stage top-k recycling learns from gives torch.topk's indices, largest first, also
-    when the largest values crowd into one chunk or a row is mostly masked."""
+    """Both top-k searches recycling learns from (the native pass and the two-stage one in torch
+    operators) give torch.topk's indices, largest first, also when the largest values crowd into
+    one chunk or a row is mostly masked."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, vocab, generator=g)
     x[1, 128:136] += 50.0  # all of the top 8 in one chunk of 64
@@ -191,6 +195,39 @@ def test_row_topk_ids_are_topks(vocab: int) -> None:
     x[3, ::64] += 10.0  # the top 8 in 8 different chunks, among many chunk maxima close to them
     for k in (1, 8):
         assert torch.equal(row_topk_ids(x, k), x.topk(k, dim=-1).indices)
+        assert torch.equal(chunked_topk_ids(x, k), x.topk(k, dim=-1).indices)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_native_row_topk_is_topk_in_every_variant(isa: str) -> None:
+    """The native top-k of every kernel variant this CPU runs: torch.topk's indices for distinct
+    values (every k up to the limit, rows of any length, the vector loops' tails, rows strided in a
+    wider tensor, mostly masked rows); among equal values the lower index first; NaN below every
+    number; a k out of range refused by name."""
+    if isa not in ops.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    i = ops.isa_id(isa)
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 7, 16, 17, 100, 49152):
+        x = torch.randn(3, n, generator=g)
+        for k in sorted({1, min(n, 2), min(n, 8), min(n, 33), min(n, cpu_ops.ROW_TOPK_MAX)}):
+            assert torch.equal(torch.ops.specserve.row_topk(x, k, i), x.topk(k, dim=-1).indices), (n, k)
+    wide = torch.randn(4, 1000, generator=g)
+    view = wide[:, 3:903]  # rows 1000 floats apart
+    assert torch.equal(torch.ops.specserve.row_topk(view, 5, i), view.topk(5, dim=-1).indices)
+    masked = torch.full((2, 300), float("-inf"))
+    masked[0, 250] = 1.0
+    assert torch.ops.specserve.row_topk(masked, 3, i)[0, 0].item() == 250
+    ties = torch.zeros(1, 64)
+    ties[0, [5, 40, 41]] = 2.0
+    assert torch.ops.specserve.row_topk(ties, 5, i).tolist() == [[5, 40, 41, 0, 1]]
+    nan = torch.arange(40, dtype=torch.float32)[None].clone()
+    nan[0, [0, 39, 20]] = float("nan")
+    assert torch.ops.specserve.row_topk(nan, 3, i).tolist() == [[38, 37, 36]]
+    with pytest.raises(RuntimeError, match="row_topk: k must be"):
+        torch.ops.specserve.row_topk(x, 0, i)
+    with pytest.raises(RuntimeError, match="row_topk: k must be"):
+        torch.ops.specserve.row_topk(torch.randn(2, 4), 5, i)
 
 
 def test_greedy_choice_is_row_argmax_and_row_errors_in_one_pass() -> None:

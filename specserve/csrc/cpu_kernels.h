@@ -12,6 +12,9 @@
 extern "C" {
 #endif
 
+/* The most values row_topk keeps a row (its list lives on the stack). */
+#define SPECSERVE_ROW_TOPK_MAX 256
+
 enum { LIN_F32 = 0, LIN_W8A8 = 1, LIN_W4A8 = 2, LIN_EXTERNAL = 3 };
 
 /* A projection computed elsewhere (the GGUF block kernels of ops.cpp): fn(ctx, x, M, y). */
@@ -60,6 +63,7 @@ typedef struct {
                            const int64_t *slots, int n_items, const int32_t *q_start, const int32_t *q_len,
                            const int32_t *ctx_len, const int32_t *tables, const int32_t *table_off,
                            const uint8_t *masks, const int64_t *mask_off, float scale);
+    void (*row_topk)(const float *x, int T, int n, int64_t ld, int k, int64_t *out);
 } specserve_cpu_kernels;
 
 const specserve_cpu_kernels *specserve_cpu_kernels_generic(void);

@@ -9,6 +9,7 @@
 //   write_kv(k, v, k_cache!, v_cache!, slots, isa)           new K/V into their cache slots
 //   rope_(x!, n_heads, head_dim, cos, sin, isa)              rotary embedding in place
 //   rms_norm(x, weight, eps, isa), silu_mul(gate_up, isa)
+//   row_topk(x, k, isa)                                      each row's k largest values' indices
 //   decoder_forward(decoder, x, n_layers, cos, sin, slots, <metadata>, scale)
 //       every layer of a step in one call, over a `Decoder` (a torch class holding the layers'
 //       weights and caches), with the same kernels as the operators above.
@@ -286,6 +287,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
     return out;
 }
 
+at::Tensor row_topk(const at::Tensor& x, int64_t k, int64_t isa) {
+    const char* what = "row_topk";
+    const auto& kern = kernels(isa, what);
+    check_cpu(x, at::kFloat, 2, what, "x");
+    TORCH_CHECK(x.stride(1) == 1, what, ": x's rows must be contiguous");
+    TORCH_CHECK(k >= 1 && k <= x.size(1) && k <= SPECSERVE_ROW_TOPK_MAX, what, ": k must be 1 to min(", x.size(1), ", ",
+                SPECSERVE_ROW_TOPK_MAX, "), got ", k);
+    at::Tensor out = at::empty({x.size(0), k}, x.options().dtype(at::kLong));
+    kern.row_topk(x.data_ptr<float>(), (int)x.size(0), (int)x.size(1), x.stride(0), (int)k, out.data_ptr<int64_t>());
+    return out;
+}
+
 // ---- the layer loop ----------------------------------------------------------------------------
 
 // A GGUF projection for the layer loop: the same product as gguf_linear.
@@ -487,6 +500,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
     m.def("rope_(Tensor(a!) x, int n_heads, int head_dim, Tensor cos, Tensor sin, int isa) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
     m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
+    m.def("row_topk(Tensor x, int k, int isa) -> Tensor");
     m.def("decoder_forward(__torch__.torch.classes.specserve.Decoder decoder, Tensor x, int n_layers, Tensor cos, "
           "Tensor sin, Tensor slots, Tensor q_start, Tensor q_len, Tensor ctx_len, Tensor tables, Tensor table_off, "
           "Tensor masks, Tensor mask_off, float scale) -> Tensor");
@@ -502,5 +516,6 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("rope_", &specserve::rope_);
     m.impl("rms_norm", &specserve::rms_norm);
     m.impl("silu_mul", &specserve::silu_mul);
+    m.impl("row_topk", &specserve::row_topk);
     m.impl("decoder_forward", &specserve::decoder_forward);
 }

@@ -85,3 +85,56 @@ static void silu_mul(const float *gu, float *out, int T, int I) {
         for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }
+
+/* ---- each row's largest values ---------------------------------------------------------------- */
+
+/* Put (v, i) into the list of the row's `*count` largest so far (vals/ids, largest first, at most k):
+ * after the equal values already there, so that the lower index comes first among equals. */
+static inline void topk_insert(float *vals, int64_t *ids, int *count, int k, float v, int64_t i) {
+    int p = *count < k ? *count : k - 1;
+    if (*count == k && !(v > vals[k - 1])) return;
+    while (p > 0 && vals[p - 1] < v) {
+        vals[p] = vals[p - 1];
+        ids[p] = ids[p - 1];
+        p--;
+    }
+    vals[p] = v;
+    ids[p] = i;
+    if (*count < k) (*count)++;
+}
+
+/* Each row's k largest values' indices (x [T, n], rows ld floats apart; out [T, k]), largest first,
+ * the lower index first among equal values; NaN ranks below every number. One pass over a row: a
+ * value is looked at one by one only when it beats the k-th largest so far (compared a vector at a
+ * time against it), so the pass costs about a read of the row, where torch's topk (or a chunked
+ * max, then a top-k of the candidates) took several passes and a dozen operator calls. */
+static void row_topk(const float *x, int T, int n, int64_t ld, int k, int64_t *out) {
+    for (int t = 0; t < T; t++) {
+        const float *r = x + (int64_t)t * ld;
+        float vals[SPECSERVE_ROW_TOPK_MAX];
+        int64_t *ids = out + (int64_t)t * k;
+        int count = 0, j = 0;
+        for (; j < k; j++) topk_insert(vals, ids, &count, k, isnan(r[j]) ? -INFINITY : r[j], j);
+#if defined(__AVX512F__)
+        for (; j + 16 <= n; j += 16) {
+            __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + j), _mm512_set1_ps(vals[k - 1]), _CMP_GT_OQ);
+            while (m) {
+                const int b = __builtin_ctz(m);
+                m &= m - 1;
+                topk_insert(vals, ids, &count, k, r[j + b], j + b);
+            }
+        }
+#elif defined(__AVX2__)
+        for (; j + 8 <= n; j += 8) {
+            int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + j), _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
+            while (m) {
+                const int b = __builtin_ctz(m);
+                m &= m - 1;
+                topk_insert(vals, ids, &count, k, r[j + b], j + b);
+            }
+        }
+#endif
+        for (; j < n; j++)
+            if (r[j] > vals[k - 1]) topk_insert(vals, ids, &count, k, r[j], j);
+    }
+}

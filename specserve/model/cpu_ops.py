@@ -1,7 +1,7 @@
 """The layer's small CPU operations around attention, as the package's torch operators
 (csrc/layer_ops.c through kernel_ops.cpp): the rotary embedding in place on fused q/k/v, writing new
-K/V into the paged cache, RMSNorm and the gated activation. Callers use PyTorch instead when the
-tensors are not float32 on the CPU (`fits`)."""
+K/V into the paged cache, RMSNorm and the gated activation; and each row's largest logits. Callers
+use PyTorch instead when the tensors are not float32 on the CPU (`fits`)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] contiguous float32 -> silu(gate) * up, [T, I]."""
     return torch.ops.specserve.silu_mul(gate_up, ops.layer_isa())
+
+
+# The most indices `row_topk` gives a row (csrc/cpu_kernels.h, SPECSERVE_ROW_TOPK_MAX).
+ROW_TOPK_MAX = 256
+
+
+def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k largest values' indices ([T, n] float32, rows contiguous; 1 <= k <= min(n,
+    ROW_TOPK_MAX)), largest first, the lower index first among equal values, NaN below every number."""
+    isa = ops.layer_isa()  # first: it loads the library that defines the operator
+    return torch.ops.specserve.row_topk(x, k, isa)

@@ -110,6 +110,10 @@ def _register_fakes() -> None:
     def _(x, block):  # type: ignore[no-untyped-def]
         return torch.empty_like(x)
 
+    @torch.library.register_fake("specserve::row_topk")
+    def _(x, k, isa):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], k, dtype=torch.long)
+
     @torch.library.register_fake("specserve::linear_f32")
     def _(x, weight, bias, isa):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], weight.shape[0])
