@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 
 from specserve.speculation.tree import DraftTree
 
@@ -273,20 +272,23 @@ class StepCostModel:
         self.profile = profile
         self.forgetting = forgetting
         self.attention = max(per_attended, 0.0)
-        self.w = np.array([0.0, 1.0, 0.0])
+        # Plain floats, not numpy: every drafted step updates the model, and right after a forward
+        # numpy's dozen calls on 3-vectors took ~80 us (the same arithmetic in floats, ~10).
+        self.w = [0.0, 1.0, 0.0]
         one = profile(1)
         # Prior spreads in units of the measurement noise (about 5% of a one-token step): the
         # probe's scale is trusted to within half, the other terms may be up to a step's size.
         noise = 0.05 * one
-        self._p0 = np.diag(np.array([one, 0.5, 0.2 * one]) ** 2 / noise ** 2)
-        self.P = self._p0.copy()
+        prior = [(s / noise) ** 2 for s in (one, 0.5, 0.2 * one)]
+        self._p0_trace = sum(prior)
+        self.P = [[prior[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.observations = 0
 
     def _forward(self, shape: StepShape) -> float:
         return self.profile(shape.tokens) + self.attention * shape.attended
 
-    def _x(self, shape: StepShape) -> np.ndarray:
-        return np.array([1.0, self._forward(shape), float(shape.drafted)])
+    def _x(self, shape: StepShape) -> list[float]:
+        return [1.0, self._forward(shape), float(shape.drafted)]
 
     def predict(self, shape: StepShape) -> float:
         # Every step asks (plain ones too): plain floats, not numpy's small-array calls (~10 us).
@@ -295,28 +297,33 @@ class StepCostModel:
 
     @property
     def _clamped(self) -> tuple[float, float, float]:
-        w0, w1, w2 = self.w.tolist()
+        w0, w1, w2 = self.w
         return w0, max(w1, 0.0), max(w2, 0.0)  # more tokens or trees never make a step faster
 
     def per_tree(self) -> float:
         """Seconds a request adds by carrying a draft tree at all (masks, verification)."""
-        return max(float(self.w[2]), 0.0)
+        return max(self.w[2], 0.0)
 
     def per_attended(self) -> float:
         """Seconds one new token adds per token of context it attends to."""
-        return max(float(self.w[1]), 0.0) * self.attention
+        return max(self.w[1], 0.0) * self.attention
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = self._x(shape)
-        px = self.P @ x
-        gain = px / (self.forgetting + float(x @ px))
-        self.w = self.w + gain * (seconds - float(x @ self.w))
-        self.P = (self.P - np.outer(gain, px)) / self.forgetting
+        P, lam = self.P, self.forgetting
+        px = [sum(P[i][j] * x[j] for j in range(3)) for i in range(3)]
+        denom = lam + sum(x[i] * px[i] for i in range(3))
+        gain = [p / denom for p in px]
+        err = seconds - sum(x[i] * self.w[i] for i in range(3))
+        self.w = [self.w[i] + gain[i] * err for i in range(3)]
+        # (P - gain px^T) / lam is symmetric (gain = px / denom): kept exactly so, each pair computed once
+        self.P = P = [[(P[min(i, j)][max(i, j)] - gain[min(i, j)] * px[max(i, j)]) / lam for j in range(3)]
+                      for i in range(3)]
         # Forgetting inflates P along directions the steps never vary (no drafts for a while);
         # keep it within the prior's size so one odd step cannot swing the model.
-        ratio = np.trace(self.P) / np.trace(self._p0)
+        ratio = (P[0][0] + P[1][1] + P[2][2]) / self._p0_trace
         if ratio > 1.0:
-            self.P /= ratio
+            self.P = [[v / ratio for v in row] for row in P]
         self.observations += 1
 
 
