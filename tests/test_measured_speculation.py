@@ -132,6 +132,60 @@ def test_runs_of_steps_with_nothing_to_draft_do_not_switch_off_drafts_that_pay()
     assert guard.stats().turned_off == 0
 
 
+def test_with_a_predicted_plain_time_each_step_is_judged_against_its_own_and_stale_references_cannot_mislead() -> None:
+    """Given each step's predicted plain time (`expected`, the cost model's for its own requests and
+    context), a step with drafting on is judged against it, not against the shape's plain steps: as
+    a static batch's context grows, each step takes longer (here 10 ms a token at first, 14 at the
+    end); drafts that deliver 0.9x what plain would at the same moment go off, although every
+    drafted step times faster per token than the slow plain steps of the batch before (against
+    which the plain-step reference judged them 1.25x and kept them on), and drafts that deliver
+    1.2x stay on, although the first plain step was faster than any later step."""
+    def batch(guard: GoodputGuard, start: int, gain: float, modelled: bool) -> list[Mode]:
+        modes = []
+        for i in range(120):
+            n = start + i
+            spt = 0.010 + 0.004 * i / 120  # plain seconds per token at this step's context
+            mode = guard.modes(KEY, ["d"], n)["d"]
+            drafted = mode is not Mode.PLAIN
+            tokens = 12 if drafted else 8
+            seconds = tokens * spt / (gain if drafted else 1.0)
+            guard.record_step(KEY, {"d": mode}, n, {"d"} if drafted else set(), seconds, tokens, 8,
+                              expected=8 * spt if modelled else None)
+            modes.append(mode)
+        return modes
+
+    # the plain-step reference: the first batch's late plain steps make the next batch's losing drafts look good
+    stale = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    later = [m for b in range(3) for m in batch(stale, 120 * b, 0.9, modelled=False)][120:]
+    assert stale.stats().turned_on >= 1 and later.count(Mode.DRAFT) > 20
+    # the model's reference: off after its first three drafted steps, and no probe turns it back on
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    modes = [m for b in range(3) for m in batch(guard, 120 * b, 0.9, modelled=True)]
+    assert modes.count(Mode.DRAFT) == 3 and guard.stats().turned_off == 1 and guard.stats().turned_on == 0
+    paying = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+    for b in range(3):
+        modes = batch(paying, 120 * b, 1.2, modelled=True)
+    assert paying.stats().turned_off == 0 and modes.count(Mode.DRAFT) > 110
+
+
+def test_with_a_predicted_plain_time_the_rows_a_step_decodes_do_not_bias_the_judgment() -> None:
+    """A bucket holds steps of 5 to 8 requests. Judged against its own predicted plain time, a step
+    of 5 requests that drafts as well as plain (5 tokens in plain's time for 5: no gain, no loss) is
+    even, whatever the rows of the shape's plain reference step; drafts at 1.3x stay on."""
+    for gain, off in ((0.95, True), (1.3, False)):
+        guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
+        for n in range(60):
+            mode = guard.modes(KEY, ["d"], n)["d"]
+            rows = 8 if mode is Mode.PLAIN else 5
+            plain_seconds = 0.004 + 0.001 * rows  # weights read once a step: fewer rows, more per token
+            if mode is Mode.PLAIN:
+                guard.record_step(KEY, {"d": mode}, n, set(), plain_seconds, rows, rows, expected=plain_seconds)
+            else:
+                guard.record_step(KEY, {"d": mode}, n, {"d"}, 8 * plain_seconds / rows / gain * 1.0, 8, rows,
+                                  expected=plain_seconds)
+        assert (guard.stats().turned_off >= 1) is off, gain
+
+
 def test_a_new_context_bucket_starts_off_where_its_neighbour_is() -> None:
     guard = GoodputGuard(GuardConfig(probe_after=16))
     run(guard, 10, 0, plain_spt=0.010, drafted_spt=0.02)

@@ -10,7 +10,15 @@ came for a while, every step while the shape is off) and of the steps taken whil
 and those whose drafters were asked and nothing was verified (the controller found nothing worth
 verifying, or the drafters proposed nothing), since being on cost them the asking and the
 learning (at batch 8 on a small model 211 of 508 steps, ~0.8 ms each over a plain one, in
-BENCHMARKS.md), and counted as plain they made the reference slower and drafting look even. While
+BENCHMARKS.md), and counted as plain they made the reference slower and drafting look even. Where the
+speculator gives each step's predicted plain time (the step-cost model's for that step's own
+requests and context), steps are measured in it: a step with drafting on against what it would
+have taken plain, and the plain steps by how far the model misses them (their time over their
+prediction). A raw plain reference goes stale as a batch's context grows (at batch 8 on a small
+model a step took 30% longer at the end of a group's 128 tokens than at its start, and drafts at
+the next group's short contexts, judged against the last group's long ones, looked 1.5x as fast
+as plain while they lost), and a bucket holds steps of 5 to 8 requests, whose cost per token
+differs. While
 steps with drafting on deliver a token for fewer seconds than plain ones the controller decides as before;
 once they deliver fewer tokens per second (beyond `margin`, over at least `min_steps` drafted
 steps or four times as many that only asked), or emit no more tokens than requests (every draft rejected, whatever the clock says under
@@ -102,14 +110,23 @@ class _Bucket:
     on_since: int = 0  # drafted steps since the bucket last turned on
     requests: frozenset[str] = frozenset()  # the requests of the bucket's latest step
     off_for: frozenset[str] = frozenset()  # the requests drafts lost with when it last turned off
+    modelled: bool = False  # steps with drafting on are measured in their predicted plain time (`gain`)
 
     def gain(self) -> float:
         """Plain seconds per token over the seconds per token of steps with drafting on (> 1:
         drafts pay): drafted steps and steps that only asked, mixed in the share they come in, so
-        that a run of steps with nothing to draft moves the judgment only as far as their share."""
+        that a run of steps with nothing to draft moves the judgment only as far as their share.
+        `modelled`: each step's seconds are in units of the time the cost model predicts it would
+        have taken plain, so plain's rate for its requests is a token a request in `plain` units
+        (the shape's plain steps' time over their prediction: what the model misses of a plain
+        step, a ratio that stays put while the context grows); else plain's rate is the average
+        seconds per token of the shape's plain steps."""
         f = self.drafted_n / (self.drafted_n + self.asked_n) if self.drafted_n + self.asked_n else 1.0
         tokens = f * self.tokens.value + (1.0 - f) * self.asked_tokens.value
         seconds = f * self.seconds.value + (1.0 - f) * self.asked_seconds.value
+        if self.modelled:
+            rows = f * self.rows.value + (1.0 - f) * self.asked_tokens.value  # a step that only asked: a token a request
+            return self.plain.value * tokens / (rows * seconds)
         return self.plain.value * tokens / seconds
 
     def pays(self, at_least: float) -> bool:
@@ -190,9 +207,12 @@ class GoodputGuard:
         return Mode.DRAFT
 
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
-                    seconds: float, tokens: int, rows: int, judged: bool = True) -> None:
+                    seconds: float, tokens: int, rows: int, judged: bool = True, expected: float | None = None) -> None:
         """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
-        `tokens` for `rows` requests: a step the guard made plain is every drafter's reference;
+        `tokens` for `rows` requests. `expected`: what the step would have taken without drafts (the
+        step-cost model's prediction for its own requests and context, fitted to every step's
+        measured time); given, a step with drafting on is judged against it (`_Bucket.gain`), else
+        against the shape's plain steps. A step the guard made plain is every drafter's reference;
         a drafted one is judged in the buckets of the drafters whose nodes it verified, one that
         verified nothing in the buckets of the drafters that were on (DRAFT) for it; `judged`
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
@@ -201,19 +221,25 @@ class GoodputGuard:
         shape); where none was, it probes again on the next step (a probe takes nothing from the
         drafters that are on: at batch 1, suffix is tried as soon as it has a match)."""
         if tokens > 0 and seconds > 0 and judged:
+            modelled = expected is not None and expected > 0
+            if modelled:
+                seconds /= expected  # type: ignore[operator]
             if modes and all(m is Mode.PLAIN for m in modes.values()):
                 self._count(plain_steps=1)
             if drafted_by and Mode.PROBE in modes.values():
                 self._count(probes=1)  # a step, however many drafters it judged
             if drafted_by:
                 for name in drafted_by:
+                    self._bucket((*shape, name)).modelled = modelled
                     self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, True, seconds, tokens, rows)
             elif all(m is Mode.PLAIN for m in modes.values()):  # the guard's plain step: every drafter's reference
                 for name in modes:
+                    self._bucket((*shape, name)).modelled = modelled
                     self._record((*shape, name), Mode.PLAIN, step_no, False, seconds, tokens, rows)
             else:  # drafters asked, nothing verified: what being on cost this step (no reference)
                 for name, mode in modes.items():
                     if mode is Mode.DRAFT:
+                        self._bucket((*shape, name)).modelled = modelled
                         self._record_asked((*shape, name), step_no, seconds, tokens)
         else:
             drafted_by = set()
@@ -227,8 +253,8 @@ class GoodputGuard:
                 tokens: int, rows: int) -> None:
         c = self.config
         b = self._bucket(key)
-        if not drafted:
-            b.plain.add(seconds / tokens, c.decay)
+        if not drafted:  # modelled: the step's time over its predicted time (how the model misses plain steps)
+            b.plain.add(seconds if b.modelled else seconds / tokens, c.decay)
             b.last_plain = step_no
             return
         if b.plain.steps == 0:

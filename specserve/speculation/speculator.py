@@ -625,7 +625,7 @@ class Speculator:
             done = [r for r in step.rows.values() if r.ok]
             emitted = sum(len(r.verdict.tokens) for r in done)  # type: ignore[union-attr]
             self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, emitted, len(done),
-                                   judged=not forced_only)
+                                   judged=not forced_only, expected=step.plain_seconds)
         sums = self._sums
         sums["steps"] += 1
         if predicted or accepted or forced_accepted:
