@@ -79,30 +79,25 @@ def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=P
 
 def probe_attention(runner: ModelRunner, num_blocks: int, context: int = 512, rows: int = 8) -> float:
     """Seconds one new token adds per token of context it attends to: `rows` one-token items after
-    `context` cached tokens each against as many after none (the best of four each; several rows, so
-    that the difference stands out of the noise). Each row reads blocks of its own, as requests do:
-    rows sharing one table read it from the cache after the first (on a small model at batch 8 that
-    measured 1.27 us a token of context against the 2.7 the steps took, and the cost model saw a
-    step's time rise half as fast as it did over a group's context). The cached K/V need no meaning,
-    only to be memory that reading costs what reading a request's does: the blocks no request holds
-    yet are written with zeros first (untouched pages would all read one shared zero page). Fewer
-    rows where the cache holds fewer such tables; 0 where it is too small to tell."""
+    `context` cached tokens against as many after none (the best of four each; several rows, so
+    that the difference stands out of the noise). The cached K/V need no meaning, only to be
+    memory that reading costs what reading a request's does: the blocks no request holds yet are
+    written with zeros first (untouched pages would all read one shared zero page). 0 where the
+    cache is too small to tell."""
     bs = runner.block_size
     context = min(context, num_blocks * bs - 1)
     if context < 64:
         return 0.0
-    per_row = -(-(context + 1) // bs)
-    rows = max(1, min(rows, num_blocks // per_row))
-    tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+    table = list(range(-(-(context + 1) // bs)))
     best: dict[int, float] = {}
     with torch.inference_mode():
         for k_cache, v_cache in runner.kv_cache:
-            k_cache[: rows * per_row].zero_()
-            v_cache[: rows * per_row].zero_()
+            k_cache[: len(table)].zero_()
+            v_cache[: len(table)].zero_()
         for start in (0, context, 0, context):
             for _ in range(2):
                 t = time.perf_counter()
-                runner.run([ForwardItem(table, start, [0]) for table in tables]).logits.sum().item()
+                runner.run([ForwardItem(table, start, [0])] * rows).logits.sum().item()
                 best[start] = min(best.get(start, float("inf")), time.perf_counter() - t)
     return max(0.0, (best[context] - best[0]) / (rows * context))
 
