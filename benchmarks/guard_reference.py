@@ -1,0 +1,111 @@
+"""The goodput guard's reference, side by side in one process: engines without speculation, with
+`auto` (each step with drafting on judged against the step-cost model's prediction of its own plain
+time), with `auto` whose guard is given no prediction (judged against the shape's plain steps, as
+before session 16), and with `auto` whose guard keeps every step plain (speculation's bookkeeping
+alone: the floor). Every engine takes each static group of --batch prompts in turn, the order
+alternating group by group, so that a machine whose speed drifts favours none; `none-again` is a
+second engine without speculation, the run's noise.
+
+    python benchmarks/guard_reference.py --prompts 64 --batch 8 --runs 3 --json benchmarks/guard_reference_zen5_s16_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIGS = ("none", "auto", "auto-plain-reference", "auto-kept-plain", "none-again")
+
+
+def build(name: str, model: str, batch: int) -> Any:
+    from specserve import LLM
+    from specserve.speculation.guard import Mode
+
+    llm = LLM(model, max_num_seqs=batch, speculative=None if name.startswith("none") else dict(method="auto"))
+    guard = llm.engine.core.speculator.guard
+    if name == "auto-plain-reference":
+        record = guard.record_step
+        guard.record_step = lambda *a, expected=None, **k: record(*a, **k)  # no predicted plain time
+    elif name == "auto-kept-plain":
+        guard.modes = lambda shape, drafters, step_no, requests=frozenset(): dict.fromkeys(drafters, Mode.PLAIN)
+    return llm
+
+
+def one_run(a: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    from specserve import SamplingParams
+
+    engines = {name: build(name, a.model, a.batch) for name in CONFIGS}
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    for llm in engines.values():
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    groups = [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)]
+    for g, group in enumerate(groups):
+        for name in (CONFIGS if g % 2 == 0 else CONFIGS[::-1]):
+            start = time.perf_counter()
+            out = engines[name].generate(group, params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(len(o.token_ids) for o in out)
+            outputs[name].extend(o.token_ids for o in out)
+    rate = {name: tokens[name] / seconds[name] for name in engines}
+    rows = {}
+    for name, llm in engines.items():
+        s = llm.engine.speculation_stats()
+        rows[name] = {"tok_s": round(rate[name], 1), "vs_none": round(rate[name] / rate["none"], 3),
+                      "same_tokens_as_none": outputs[name] == outputs["none"],
+                      "guard_plain_steps": s.guard_plain_steps, "guard_probes": s.guard_probes, "accepted": s.accepted}
+    return rows
+
+
+def cpu() -> str:
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', platform.machine())}, family {fields.get('cpu family', '?')}, {torch.get_num_threads()} threads"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dataset", default="sharegpt")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3, help="fresh engines each run")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    from specserve.bench.datasets import open_dataset
+    from specserve.bench.spec import load_questions
+    from specserve.tokenizer import apply_chat_template
+
+    torch.set_num_threads(a.threads)
+    from specserve import LLM
+
+    tokenizer = LLM(a.model).tokenizer
+    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    runs = []
+    for r in range(a.runs):
+        rows = one_run(a, prompts)
+        runs.append(rows)
+        print(f"run {r + 1}: " + ", ".join(f"{n} {v['vs_none']:.3f}x" for n, v in rows.items()), flush=True)
+    if a.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        a.json.write_text(json.dumps({"command": "python benchmarks/guard_reference.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "json") + f" --json {a.json}",
+            "commit": commit, "cpu": cpu(), "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
