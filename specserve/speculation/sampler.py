@@ -93,7 +93,8 @@ def row_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     """Each row's `k` largest values' indices, largest first (as torch.topk's). On the CPU one
     native pass a row (`cpu_ops.row_topk`): right after a forward, when the caches hold weights
     rather than the interpreter's working set, the dozen small operators of `chunked_topk_ids` took
-    290-320 us for 8 rows of 49k (60 us in a loop); the one call takes a read of the rows."""
+    184 us for 8 rows of 49k against the native pass's 93 (54 and 30 in a loop; BENCHMARKS.md,
+    `benchmarks/after_forward.py`)."""
     if cpu_ops.fits(x) and not x.requires_grad and 1 <= k <= min(x.shape[1], cpu_ops.ROW_TOPK_MAX):
         return cpu_ops.row_topk(x, k)
     return chunked_topk_ids(x, k)
