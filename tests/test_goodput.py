@@ -93,6 +93,29 @@ def test_a_node_is_charged_for_the_context_it_attends_to() -> None:
     assert sel.seconds == pytest.approx(ctl.predict(StepShape(4, 2, 4050 + 4050)))
 
 
+def test_a_requests_own_row_pays_cold_context_and_its_draft_nodes_hot() -> None:
+    """A request's first row reads its context from memory, its draft nodes read it again from the
+    cache: with the two rates apart, a plain step's predicted time rises by the cold rate per token
+    of context, a drafted step's by the hot rate per node's token of context, and a node is charged
+    the hot rate (priced at the cold one, nodes at batch 8 on the bundled model looked twice as
+    dear as they were; a single rate fitted to plain steps made them look cheap)."""
+    hot, cold = 1e-6, 3e-6
+    model = StepCostModel(ForwardProfile(CPU_LIKE), per_attended=hot, per_context=cold)
+    plain = model.predict(StepShape(8, attended=8 * 500)) - model.predict(StepShape(8, attended=8 * 100))
+    assert plain == pytest.approx(cold * 8 * 400)
+    base = StepShape(8, attended=8 * 500)
+    drafted = StepShape(12, 4, base.attended + 4 * 500, hot=4 * 500)
+    assert model.predict(drafted) - model.predict(StepShape(12, 4, base.attended)) == pytest.approx(hot * 4 * 500)
+    assert model.predict(drafted) - model.predict(StepShape(12, 4, drafted.attended)) == pytest.approx(
+        (hot - cold) * 4 * 500)  # the nodes' context read hot, not cold
+    assert model.per_attended() == pytest.approx(hot)
+    ctl = GoodputController(model)
+    sel = ctl.evaluate(base, 8, [Candidate((0.9, 0.8), context=500)], [2])
+    assert sel.seconds == pytest.approx(ctl.predict(StepShape(10, 1, base.attended + 2 * 500, hot=2 * 500)))
+    assert StepCostModel(ForwardProfile(CPU_LIKE), per_attended=hot).predict(drafted) == pytest.approx(
+        StepCostModel(ForwardProfile(CPU_LIKE), per_attended=hot).predict(StepShape(12, 4, drafted.attended)))  # one rate: as before
+
+
 def test_a_latency_target_bounds_every_requests_time_per_token() -> None:
     """On a GPU-like cost (rows nearly free to 64 tokens, then not), throughput alone drafts
     everything for the likely requests; the step then slows the requests drafting nothing. With a

@@ -252,25 +252,33 @@ class ForwardProfile:
 @dataclass(frozen=True)
 class StepShape:
     """What a step's cost depends on: tokens in the forward, requests carrying a draft tree, and
-    the attended context (sum over new tokens of the tokens each attends to)."""
+    the attended context (sum over new tokens of the tokens each attends to), of which `hot` is
+    draft nodes': they attend to their request's context after its root has read it this step,
+    from the cache, where each request's first row reads it from memory."""
 
     tokens: int
     drafted: int = 0
     attended: int = 0
+    hot: int = 0
 
 
 class StepCostModel:
-    """seconds = w0 + w1 x (forward(tokens) + a x attended) + w2 x drafted, by recursive least
-    squares with forgetting. The shape of a forward's cost comes from the probes taken at start
-    (`forward` by token count; `a`, seconds per token of attended context); the steps teach the
+    """seconds = w0 + w1 x (forward(tokens) + c x cold + a x hot) + w2 x drafted, by recursive
+    least squares with forgetting, where hot is the context draft nodes attend to and cold the rest
+    of the attended context (`StepShape`). The shape of a forward's cost comes from the probes
+    taken at start (`forward` by token count; `c`, seconds per token of context a request's row
+    reads from memory; `a`, per token a further row of the same request reads from the cache: on
+    the bundled model at batch 8, 2.75-3.0 us and 1.27); the steps teach the
     model how that shape scales on the machine as it runs (w1, starting at 1), the per-step
     overhead (w0) and what a request carrying a draft tree adds (w2), both starting at 0. Drafting
     time is measured apart (per drafter) and is not part of this model."""
 
-    def __init__(self, profile: ForwardProfile, forgetting: float = 0.99, per_attended: float = 0.0) -> None:
+    def __init__(self, profile: ForwardProfile, forgetting: float = 0.99, per_attended: float = 0.0,
+                 per_context: float | None = None) -> None:
         self.profile = profile
         self.forgetting = forgetting
-        self.attention = max(per_attended, 0.0)
+        self.attention = max(per_attended, 0.0)  # a: hot context, per token (draft nodes)
+        self.context = self.attention if per_context is None else max(per_context, 0.0)  # c: cold (every request's row)
         # Plain floats, not numpy: every drafted step updates the model, and right after a forward
         # numpy's dozen calls on 3-vectors took ~80 us (the same arithmetic in floats, ~10).
         self.w = [0.0, 1.0, 0.0]
@@ -284,7 +292,7 @@ class StepCostModel:
         self.observations = 0
 
     def _forward(self, shape: StepShape) -> float:
-        return self.profile(shape.tokens) + self.attention * shape.attended
+        return self.profile(shape.tokens) + self.context * (shape.attended - shape.hot) + self.attention * shape.hot
 
     def _x(self, shape: StepShape) -> list[float]:
         return [1.0, self._forward(shape), float(shape.drafted)]
@@ -304,7 +312,8 @@ class StepCostModel:
         return max(self.w[2], 0.0)
 
     def per_attended(self) -> float:
-        """Seconds one new token adds per token of context it attends to."""
+        """Seconds one draft node adds per token of context it attends to (hot: its request's root
+        has read that context this step)."""
         return max(self.w[1], 0.0) * self.attention
 
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -396,7 +405,7 @@ class GoodputController:
             g = best.expected_tokens / best.seconds
             # The forward's cost per draft token: a secant over the nodes selected so far (at least one).
             span = max(sum(best.counts), 1)
-            wider = StepShape(base.tokens + span, base.drafted, base.attended)
+            wider = StepShape(base.tokens + span, base.drafted, base.attended, base.hot)
             per_token = (self.cost.predict(wider) - base_seconds) / span
             counts = []
             for c in candidates:
@@ -458,7 +467,7 @@ class GoodputController:
         accepted = sum(sum(c.values[:k]) for c, k in zip(candidates, counts))
         drafted = sum(1 for k in counts if k)
         attended = sum(k * c.context for c, k in zip(candidates, counts))
-        shape = StepShape(base.tokens + sum(counts), base.drafted + drafted, base.attended + attended)
+        shape = StepShape(base.tokens + sum(counts), base.drafted + drafted, base.attended + attended, base.hot + attended)
         drafting = sum(c.fixed_cost + k * c.node_cost for c, k in zip(candidates, counts) if k)
         seconds = self.cost.predict(shape) + drafting
         return Selection(tuple(counts), rows + accepted, seconds, accepted)

@@ -461,7 +461,8 @@ class Speculator:
             if mine < k:
                 step.row(index).forced = (mine, k - mine, tree.parents[mine])
         step.grants = [len(drafts.get(o.decode.index, EMPTY_TREE)) for o in offered]
-        step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended)
+        step.shape = StepShape(base.tokens + kept_tokens, base.drafted + len(drafts), base.attended + attended,
+                               base.hot + attended)
         step.predicted_seconds = self.controller.predict(step.shape)
         return drafts
 
