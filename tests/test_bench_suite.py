@@ -723,3 +723,34 @@ def test_spec_bench_continuous_runs_rounds_on_engines_holding_at_most_the_batch(
     assert report["continuous"] is True and report["batch"] == 2
     assert {r["method"] for r in report["rows"]} == {"none", "ngram"}
     assert max(r for r, _ in seen) == 2 and max(w for _, w in seen) > 2  # a round queued, two at a time
+
+
+def test_spec_bench_engines_take_each_batch_in_turn_the_order_reversed_every_other_batch(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench spec` runs every method on a batch of prompts before the next batch, in an order that
+    reverses batch by batch, so that a minute of machine drift falls on each method alike (in a
+    fixed order the method between `none` and `none-again` took every drift within a turn)."""
+    import json
+
+    from specserve.cli import main
+    from specserve.entrypoints.llm import LLM
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"Say {i} words."]}) + "\n"
+                                 for i in range(4)))
+    calls: list[tuple[int, int]] = []  # (engine, prompts) of each timed generate
+    generate = LLM.generate
+
+    def recording(self, prompts, params=None, **kw):  # type: ignore[no-untyped-def]
+        if isinstance(prompts, list) and params is not None and params.max_tokens == 6:
+            calls.append((id(self), len(prompts)))
+        return generate(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    main(["bench", "spec", "--model", str(tiny_llama), "--threads", "1", "--max-tokens", "6", "--no-transformers",
+          "--dataset", str(questions), "--per-category", "4", "--batch", "2", "--methods", "ngram,none-again",
+          "--json", str(tmp_path / "spec.json")])
+    engines = list(dict.fromkeys(e for e, _ in calls))
+    assert len(engines) == 3 and len(calls) == 6
+    first, second = [e for e, _ in calls[:3]], [e for e, _ in calls[3:]]
+    assert first == engines and second == engines[::-1]

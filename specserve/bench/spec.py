@@ -139,7 +139,9 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     bar = None
     control: dict[str, dict[str, Any]] = {}
     # Every method's engine is built first, then each batch of prompts runs on every method in
-    # turn (interleaved), so that a machine whose speed drifts over minutes favours none of them.
+    # turn (interleaved), the order reversed every other batch, so that a machine whose speed drifts
+    # over minutes favours none of them (in a fixed order `auto` always ran between `none` and
+    # `none-again`, and a drift within a batch's turn fell on it alone).
     llms = {}
     for name, spec in methods:
         llm = llms[name] = LLM.from_engine_args(base.with_(speculative=spec))
@@ -154,7 +156,8 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     size = 4 * batch if continuous else batch
     for start in range(0, len(prompts), size):  # batch 1: one request at a time, per category
         group = list(range(start, min(start + size, len(prompts))))
-        for name, llm in llms.items():
+        order = list(llms.items())
+        for name, llm in (order if (start // size) % 2 == 0 else order[::-1]):
             t = time.perf_counter()
             outs = llm.generate([prompts[i] for i in group], params, use_tqdm=False)
             dt = time.perf_counter() - t
