@@ -19,14 +19,6 @@ from typing import Callable
 import torch
 
 
-def cpu() -> str:
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')}, {torch.get_num_threads()} threads"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -74,9 +66,10 @@ def main() -> None:
                          "in_a_loop_us": round(1e6 * statistics.median(loop), 1)}
             print(f"{name:36s} after a forward {out[name]['after_forward_us']:8.1f} us, in a loop {out[name]['in_a_loop_us']:8.1f} us")
     if a.json:
-        a.json.write_text(json.dumps({"command": "python benchmarks/after_forward.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(a).items() if k != "json") + f" --json {a.json}", "cpu": cpu(),
-            "logits": [a.rows, runner.model.config.vocab_size], "results": out}, indent=1))
+        from specserve.bench.report import environment
+
+        a.json.write_text(json.dumps({**environment(), "logits": [a.rows, runner.model.config.vocab_size],
+                                      "results": out}, indent=1))
 
 
 if __name__ == "__main__":

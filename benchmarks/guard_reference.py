@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -38,10 +36,9 @@ def build(name: str, model: str, batch: int) -> Any:
     return llm
 
 
-def one_run(a: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
     from specserve import SamplingParams
 
-    engines = {name: build(name, a.model, a.batch) for name in CONFIGS}
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     for llm in engines.values():
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
@@ -66,14 +63,6 @@ def one_run(a: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     return rows
 
 
-def cpu() -> str:
-    fields = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name', platform.machine())}, family {fields.get('cpu family', '?')}, {torch.get_num_threads()} threads"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -90,21 +79,22 @@ def main() -> None:
     from specserve.tokenizer import apply_chat_template
 
     torch.set_num_threads(a.threads)
-    from specserve import LLM
-
-    tokenizer = LLM(a.model).tokenizer
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
-    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts: list[str] = []
     runs = []
     for r in range(a.runs):
-        rows = one_run(a, prompts)
+        engines = {name: build(name, a.model, a.batch) for name in CONFIGS}
+        if not prompts:  # the questions fitting the model's tokenizer, once
+            tokenizer = engines["none"].tokenizer
+            questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
+            prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+        rows = one_run(a, engines, prompts)
+        del engines
         runs.append(rows)
         print(f"run {r + 1}: " + ", ".join(f"{n} {v['vs_none']:.3f}x" for n, v in rows.items()), flush=True)
     if a.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        a.json.write_text(json.dumps({"command": "python benchmarks/guard_reference.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "json") + f" --json {a.json}",
-            "commit": commit, "cpu": cpu(), "runs": runs}, indent=1))
+        from specserve.bench.report import environment
+
+        a.json.write_text(json.dumps({**environment(), "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ def main() -> None:
                "load_s_with": [round(r["load_s"], 2) for r in runs if r["thp"]]}  # type: ignore[arg-type]
     print(summary)
     if a.json:
-        a.json.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "summary": summary, "runs": runs}, indent=1))
+        from specserve.bench.report import environment
+
+        a.json.write_text(json.dumps({**environment(), "summary": summary, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -92,18 +92,28 @@ def package_versions(names: Iterable[str] = PACKAGES) -> dict[str, str]:
     return out
 
 
+# The instruction sets a CPU figure depends on (the kernels are chosen among them by measurement).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
 def cpu_description() -> str:
-    model = ""
+    """The CPU as a figure needs it: its name, family and model numbers (the same name covers
+    several generations: a 2-core "AMD EPYC" has been a Zen 3, 4 and 5 here), the instruction sets
+    the kernels choose among, and the cores this process may use."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip().lower(), value.strip())
     except OSError:
         pass
-    model = model or platform.processor() or platform.machine()
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    flags = set(fields.get("flags", "").split())
+    isas = " ".join(f for f in CPU_FLAGS if f in flags)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {usable} usable cores ({os.cpu_count()} online)"
+    return f"{model}, {usable} usable cores ({os.cpu_count()} online)" + (f", {isas}" if isas else "")
 
 
 def gpu_description() -> str | None:
