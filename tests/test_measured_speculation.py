@@ -181,7 +181,7 @@ def test_with_a_predicted_plain_time_the_rows_a_step_decodes_do_not_bias_the_jud
             if mode is Mode.PLAIN:
                 guard.record_step(KEY, {"d": mode}, n, set(), plain_seconds, rows, rows, expected=plain_seconds)
             else:
-                guard.record_step(KEY, {"d": mode}, n, {"d"}, 8 * plain_seconds / rows / gain * 1.0, 8, rows,
+                guard.record_step(KEY, {"d": mode}, n, {"d"}, 8 * plain_seconds / rows / gain, 8, rows,
                                   expected=plain_seconds)
         assert (guard.stats().turned_off >= 1) is off, gain
 

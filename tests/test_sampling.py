@@ -10,7 +10,6 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.model import cpu_ops, ops
-from specserve.model.ops import ISAS
 from specserve.speculation.sampler import (Sampler, apply_filters, apply_penalties, chunked_topk_ids, row_argmax,
                                           row_topk_ids)
 from specserve.engine.sequence import Sequence
@@ -198,7 +197,7 @@ def test_row_topk_ids_are_topks(vocab: int) -> None:
         assert torch.equal(chunked_topk_ids(x, k), x.topk(k, dim=-1).indices)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ops.ISAS)
 def test_the_native_row_topk_is_topk_in_every_variant(isa: str) -> None:
     """The native top-k of every kernel variant this CPU runs: torch.topk's indices for distinct
     values (every k up to the limit, rows of any length, the vector loops' tails, rows strided in a

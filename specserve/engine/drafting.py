@@ -83,7 +83,7 @@ def probe_attention(runner: ModelRunner, num_blocks: int, context: int = 512, ro
     each; several rows, so that the difference stands out of the noise). Hot: the rows share one
     request's blocks, read from the cache after the first (what a draft tree's further nodes
     cost); cold: each row reads blocks of its own from memory, as each request's first row does
-    (on the bundled model at batch 8: 1.27 and 2.75-3.0 us a token). The cached K/V need no
+    (on the bundled model at batch 8: 1.23-1.27 and 2.75-3.7 us a token). The cached K/V need no
     meaning, only to be memory that reading costs what reading a request's does: the blocks no
     request holds yet are written with zeros first (untouched pages would all read one shared zero
     page). Cold with fewer rows where the cache holds fewer tables of their own; 0 where it is too
@@ -130,11 +130,11 @@ def build_speculator(
     else:
         num_blocks = runner.kv_cache[0][0].shape[0]
         seconds = probe_forward(runner, num_blocks, min(config.scheduler.max_num_batched_tokens, config.max_model_len))
-        attended, cold = probe_attention(runner, num_blocks, min(512, config.max_model_len - 1))
+        hot, cold = probe_attention(runner, num_blocks, min(512, config.max_model_len - 1))
         logger.info("forward time by tokens: %s; attention %.2f us per token of context a request reads, %.2f a "
-                    "further row of it", {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, cold * 1e6, attended * 1e6)
+                    "further row of it", {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, cold * 1e6, hot * 1e6)
         slo = None if spec.latency_slo_ms is None else spec.latency_slo_ms / 1000.0
-        model = StepCostModel(ForwardProfile(seconds), per_attended=attended, per_context=cold)
+        model = StepCostModel(ForwardProfile(seconds), per_attended=hot, per_context=cold)
         controller = GoodputController(model, latency_slo=slo,
                                        latency_slack=spec.latency_slack, pace_slack=spec.pace_slack)
         guard = GoodputGuard()

@@ -224,22 +224,21 @@ class GoodputGuard:
             modelled = expected is not None and expected > 0
             if modelled:
                 seconds /= expected  # type: ignore[operator]
+            for name in set(modes) | drafted_by:  # the units this step's records are in
+                self._bucket((*shape, name)).modelled = modelled
             if modes and all(m is Mode.PLAIN for m in modes.values()):
                 self._count(plain_steps=1)
             if drafted_by and Mode.PROBE in modes.values():
                 self._count(probes=1)  # a step, however many drafters it judged
             if drafted_by:
                 for name in drafted_by:
-                    self._bucket((*shape, name)).modelled = modelled
                     self._record((*shape, name), modes.get(name, Mode.DRAFT), step_no, True, seconds, tokens, rows)
             elif all(m is Mode.PLAIN for m in modes.values()):  # the guard's plain step: every drafter's reference
                 for name in modes:
-                    self._bucket((*shape, name)).modelled = modelled
                     self._record((*shape, name), Mode.PLAIN, step_no, False, seconds, tokens, rows)
             else:  # drafters asked, nothing verified: what being on cost this step (no reference)
                 for name, mode in modes.items():
                     if mode is Mode.DRAFT:
-                        self._bucket((*shape, name)).modelled = modelled
                         self._record_asked((*shape, name), step_no, seconds, tokens)
         else:
             drafted_by = set()
