@@ -1,0 +1,158 @@
+"""Goodput-guard settings side by side in one process: an engine without speculation, `auto` with
+the guard as shipped, and `auto` with guard settings changed (GuardConfig fields), each taking
+every group of prompts in turn, the order reversed every other group (so a drift of the machine's
+speed within a turn does not fall on one engine each time); `none-again`, a second engine without
+speculation, is the run's noise. With --continuous a group is --chunk prompts run as one
+continuous batch of at most --batch requests (new requests join as others finish, their prefill
+chunks beside the decodes); without, a group is --batch prompts run to its end (a static batch).
+
+    python benchmarks/guard_variants.py --prompts 64 --batch 8 --runs 2 --variant "control8:control_every=8"
+    python benchmarks/guard_variants.py --continuous --chunk 32 --prompts 64 --batch 8 --runs 2
+
+Every engine's outputs are checked against `none`'s (greedy: token for token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+# Not a GuardConfig field: kept_plain=1 makes the guard keep every step plain (speculation's
+# bookkeeping without drafts: the floor `auto` stands on).
+KEPT_PLAIN = "kept_plain"
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """'name:field=value,field=value' -> (name, GuardConfig overrides, and kept_plain=1)."""
+    from specserve.speculation.guard import GuardConfig
+
+    name, _, spec = text.partition(":")
+    types = {f.name: f.type for f in fields(GuardConfig)} | {KEPT_PLAIN: "int"}
+    overrides: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key not in types:
+            raise SystemExit(f"--variant {text!r}: GuardConfig has no field {key!r} (fields: {', '.join(types)})")
+        overrides[key] = float(value) if types[key] in (float, "float") else int(value)
+    return name, overrides
+
+
+def build(overrides: dict[str, Any] | None, model: str, batch: int) -> Any:
+    from specserve import LLM
+    from specserve.speculation.guard import GoodputGuard, GuardConfig, Mode
+
+    llm = LLM(model, max_num_seqs=batch, speculative=None if overrides is None else dict(method="auto"))
+    if overrides:
+        overrides = dict(overrides)
+        kept_plain = overrides.pop(KEPT_PLAIN, 0)
+        guard = llm.engine.core.speculator.guard = GoodputGuard(GuardConfig(**overrides))
+        if kept_plain:
+            guard.modes = lambda shape, drafters, step_no, requests=frozenset(): dict.fromkeys(drafters, Mode.PLAIN)
+    return llm
+
+
+def time_forwards(llm: Any) -> dict[str, float]:
+    """Seconds and calls of the engine's forwards (the runner's execute) from now on."""
+    runner = llm.engine.core.runner
+    execute = runner.execute
+    spent = {"seconds": 0.0, "steps": 0}
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kw)
+        finally:
+            spent["seconds"] += time.perf_counter() - start
+            spent["steps"] += 1
+
+    runner.execute = timed
+    return spent
+
+
+def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
+    from specserve import SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    for llm in engines.values():
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    forwards = {name: time_forwards(llm) for name, llm in engines.items()}
+    names = list(engines)
+    seconds = dict.fromkeys(names, 0.0)
+    tokens = dict.fromkeys(names, 0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in names}
+    size = a.chunk if a.continuous else a.batch
+    groups = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+    for g, group in enumerate(groups):
+        for name in (names if g % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            out = engines[name].generate(group, params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(len(o.token_ids) for o in out)
+            outputs[name].extend(o.token_ids for o in out)
+    rate = {name: tokens[name] / seconds[name] for name in names}
+    rows = {}
+    for name, llm in engines.items():
+        s = llm.engine.speculation_stats()
+        rows[name] = {"tok_s": round(rate[name], 1), "vs_none": round(rate[name] / rate["none"], 3),
+                      "same_tokens_as_none": outputs[name] == outputs["none"],
+                      "guard_plain_steps": s.guard_plain_steps, "guard_probes": s.guard_probes,
+                      "guard_turned_off": s.guard_turned_off, "accepted": s.accepted,
+                      "steps": forwards[name]["steps"], "forward_s": round(forwards[name]["seconds"], 3),
+                      "outside_forward_s": round(seconds[name] - forwards[name]["seconds"], 3)}
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dataset", default="sharegpt")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--continuous", action="store_true", help="groups of --chunk prompts as continuous batches")
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=2, help="fresh engines each run")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:FIELD=VALUE,... an `auto` engine whose GuardConfig has these fields changed")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    from specserve.bench.datasets import open_dataset
+    from specserve.bench.spec import load_questions
+    from specserve.tokenizer import apply_chat_template
+
+    torch.set_num_threads(a.threads)
+    configs: dict[str, dict[str, Any] | None] = {"none": None, "auto": {}}
+    configs.update(parse_variant(v) for v in a.variant)
+    configs["none-again"] = None
+    prompts: list[str] = []
+    runs = []
+    for r in range(a.runs):
+        engines = {name: build(o, a.model, a.batch) for name, o in configs.items()}
+        if not prompts:  # the questions fitting the model's tokenizer, once
+            tokenizer = engines["none"].tokenizer
+            questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
+            prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+        rows = one_run(a, engines, prompts)
+        del engines
+        runs.append(rows)
+        print(f"run {r + 1}: " + ", ".join(f"{n} {v['vs_none']:.3f}x" for n, v in rows.items()), flush=True)
+        for n, v in rows.items():
+            print(f"  {n}: {v['steps']} steps, forward {1e3 * v['forward_s'] / v['steps']:.2f} ms a step, "
+                  f"outside it {1e3 * v['outside_forward_s'] / v['steps']:.2f} ms", flush=True)
+    if a.json:
+        from specserve.bench.report import environment
+
+        a.json.write_text(json.dumps({**environment(), "args": {k: str(v) for k, v in vars(a).items()},
+                                      "configs": {k: v for k, v in configs.items()}, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
