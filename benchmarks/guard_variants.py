@@ -24,17 +24,19 @@ from typing import Any
 import torch
 
 
-# Not a GuardConfig field: kept_plain=1 makes the guard keep every step plain (speculation's
-# bookkeeping without drafts: the floor `auto` stands on).
+# Not GuardConfig fields: kept_plain=1 makes the guard keep every step plain (speculation's
+# bookkeeping without drafts: the floor `auto` stands on); every_token=1 has the guard count every
+# emitted token also where no request waits (as before session 17: no fixed share).
 KEPT_PLAIN = "kept_plain"
+EVERY_TOKEN = "every_token"
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """'name:field=value,field=value' -> (name, GuardConfig overrides, and kept_plain=1)."""
+    """'name:field=value,field=value' -> (name, GuardConfig overrides, kept_plain=1, every_token=1)."""
     from specserve.speculation.guard import GuardConfig
 
     name, _, spec = text.partition(":")
-    types = {f.name: f.type for f in fields(GuardConfig)} | {KEPT_PLAIN: "int"}
+    types = {f.name: f.type for f in fields(GuardConfig)} | {KEPT_PLAIN: "int", EVERY_TOKEN: "int"}
     overrides: dict[str, Any] = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
@@ -52,7 +54,10 @@ def build(overrides: dict[str, Any] | None, model: str, batch: int) -> Any:
     if overrides:
         overrides = dict(overrides)
         kept_plain = overrides.pop(KEPT_PLAIN, 0)
-        guard = llm.engine.core.speculator.guard = GoodputGuard(GuardConfig(**overrides))
+        speculator = llm.engine.core.speculator
+        if overrides.pop(EVERY_TOKEN, 0):
+            speculator.controller.fixed_share = lambda shape, rows: None
+        guard = speculator.guard = GoodputGuard(GuardConfig(**overrides))
         if kept_plain:
             guard.modes = lambda shape, drafters, step_no, requests=frozenset(): dict.fromkeys(drafters, Mode.PLAIN)
     return llm

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.speculation.controller import ForwardProfile, StepCostModel, StepShape
 from specserve.speculation.drafter import Drafter, DraftRequest
 from specserve.speculation.guard import GoodputGuard, GuardConfig, Mode
 from specserve.speculation.tree import DraftTree, replay
@@ -604,3 +605,53 @@ def test_steps_carrying_a_prefill_chunk_draft_only_with_drafters_not_off_at_thei
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
     verified = sum(k * n for k, n in llm.engine.speculation_stats().grants)
     assert (verified == 0) if all_off else (verified > 0), verified
+
+
+class OracleBut(Oracle):
+    """Oracle for every prompt but `wrong`, for which every chain starts with a wrong token."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: tuple[int, ...]) -> None:
+        super().__init__(continuations)
+        self.wrong = wrong
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        out = super().propose(requests)
+        return [DraftTree.chain([(t.tokens[0] + 1) % 256] + list(t.tokens[1:])) if r.view.prompt_token_ids == self.wrong
+                and len(t) else t for r, t in zip(requests, out)]
+
+
+def test_with_no_request_waiting_the_part_of_a_step_not_per_request_counts_the_slowest_requests_rate(
+        tiny_llama: Path) -> None:
+    """Eight requests of equal length in a batch of eight, none waiting, drafts always accepted
+    for seven and always rejected for the eighth: the batch runs until the eighth, whose tokens
+    come one a step either way, so the share of each step that is not per request buys one token
+    a request, however many the seven get. With that share at 1 (set here; the cost model's
+    `fixed_share` otherwise) the seven's tokens are no gain at all, and the guard switches drafting
+    off by counting tokens, whatever the clock says. Outputs are plain decoding's."""
+    prompts = random_prompts(8, seed=43)
+    greedy = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama), max_num_seqs=8).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative="auto", max_num_seqs=8)
+    speculator = llm.engine.speculator
+    speculator.controller.fixed_share = lambda shape, rows: 1.0
+    continuations = {tuple(p): o for p, o in zip(prompts, plain)}
+    speculator.drafters = {name: OracleBut(continuations, tuple(prompts[3])) for name in speculator.drafters}
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    stats = llm.engine.speculation_stats()
+    assert stats.guard_turned_off >= 1
+    verified = sum(k * n for k, n in stats.grants)
+    # Counting every token, the seven draft 8 nodes a step each until they are done (about 900
+    # nodes here, from timings); judged by the eighth's rate, drafting goes off after the guard's
+    # first three drafted steps, and then only its probes draft.
+    assert verified <= 500, f"{verified} draft nodes verified"
+
+
+def test_fixed_share_is_what_one_request_fewer_would_not_save() -> None:
+    """A step costs w0 + w1 x (forward(tokens) + c x context): with forward(t) = 2 + t ms, c = 0.01 ms
+    a token of context, 8 requests of 100 tokens: 2 + 8 + 8 = 18 ms, of which one request fewer
+    saves 1 + 1 = 2 ms; so 2 / 18 of the step is not per request."""
+    cost = StepCostModel(ForwardProfile({1: 0.003, 64: 0.066}), per_context=0.00001)
+    shape = StepShape(8, 0, 800)
+    assert cost.predict(shape) == pytest.approx(0.018)
+    assert cost.fixed_share(shape, 8) == pytest.approx(2 / 18)
+    assert cost.fixed_share(StepShape(1, 0, 100), 1) == 1.0

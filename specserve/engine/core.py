@@ -161,7 +161,8 @@ class EngineCore:
 
     def _step(self, batch: tuple[ScheduledSeq, ...]) -> list[TokenDelta]:
         rows = step_rows(batch)
-        drafts = self.speculator.propose(self._decodes(batch), _shape(batch), sum(it.samples for it in batch))
+        drafts = self.speculator.propose(self._decodes(batch), _shape(batch), sum(it.samples for it in batch),
+                                         waiting=len(self.scheduler.waiting))
         out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden)
         for i, row in enumerate(rows):
             row.tree, row.logits = drafts.get(i), out.rows[i]

@@ -307,6 +307,17 @@ class StepCostModel:
         w0, w1, w2 = self.w
         return w0, max(w1, 0.0), max(w2, 0.0)  # more tokens or trees never make a step faster
 
+    def fixed_share(self, shape: StepShape, rows: int) -> float:
+        """The share of a plain step of `rows` decoding requests (`shape`) that one request fewer
+        would not save: predicted time less `rows` times the time one average request adds (its
+        row and the context it reads), over the predicted time, within [0, 1]."""
+        total = self.predict(shape)
+        if rows < 2:
+            return 1.0
+        fewer = StepShape(shape.tokens - 1, 0, shape.attended * (rows - 1) // rows)
+        per_row = total - self.predict(fewer)
+        return min(max((total - rows * per_row) / total, 0.0), 1.0)
+
     def per_tree(self) -> float:
         """Seconds a request adds by carrying a draft tree at all (masks, verification)."""
         return max(self.w[2], 0.0)
@@ -354,6 +365,7 @@ class Controller(Protocol):
     def select(self, base: StepShape, sampling_rows: int, candidates: list[Candidate],
                behind_plain: bool = False) -> "Selection": ...
     def predict(self, shape: StepShape) -> float | None: ...
+    def fixed_share(self, shape: StepShape, rows: int) -> float | None: ...
     def learn(self, shape: StepShape, seconds: float) -> None: ...
 
 
@@ -458,6 +470,11 @@ class GoodputController:
         """The step's seconds (drafting excluded), as the cost model expects them."""
         return self.cost.predict(shape)
 
+    def fixed_share(self, shape: StepShape, rows: int) -> float:
+        """Of a plain step of `rows` decoding requests, the share that does not shrink with one
+        request fewer (`StepCostModel.fixed_share`)."""
+        return self.cost.fixed_share(shape, rows)
+
     def learn(self, shape: StepShape, seconds: float) -> None:
         """A step of `shape` took `seconds` (drafting excluded)."""
         self.cost.observe(shape, seconds)
@@ -485,6 +502,9 @@ class FixedController:
 
     def predict(self, shape: StepShape) -> float | None:
         return None  # no cost model
+
+    def fixed_share(self, shape: StepShape, rows: int) -> float | None:
+        return None
 
     def learn(self, shape: StepShape, seconds: float) -> None:
         pass

@@ -6,7 +6,9 @@ inputs they have not seen. The guard looks only at what happened: for decode-onl
 how many requests decode and how much context they attend to, it keeps a moving average of the
 seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
 came for a while, every step while the shape is off) and of the steps taken while drafting is on
-(their whole time over every token they emitted, accepted and bonus): those that verified drafts,
+(their whole time over every token they emitted, accepted and bonus; where no request waits for
+room and several decode, as many tokens a request as drafting gives the request it speeds least:
+the batch ends with its slowest request, so the others' extra tokens save no step): those that verified drafts,
 and those whose drafters were asked and nothing was verified (the controller found nothing worth
 verifying, or the drafters proposed nothing), since being on cost them the asking and the
 learning (at batch 8 on a small model 211 of 508 steps, ~0.8 ms each over a plain one, in
@@ -207,9 +209,11 @@ class GoodputGuard:
         return Mode.DRAFT
 
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
-                    seconds: float, tokens: int, rows: int, judged: bool = True, expected: float | None = None) -> None:
+                    seconds: float, tokens: float, rows: int, judged: bool = True, expected: float | None = None) -> None:
         """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
-        `tokens` for `rows` requests. `expected`: what the step would have taken without drafts (the
+        `tokens` for `rows` requests (as the speculator values them: where no request waits for
+        room in the batch, a step with drafting on counts the rate of the request it speeds least
+        for every request, see `Speculator._valued_tokens`). `expected`: what the step would have taken without drafts (the
         step-cost model's prediction for its own requests and context, fitted to every step's
         measured time); given, a step with drafting on is judged against it (`_Bucket.gain`), else
         against the shape's plain steps. A step the guard made plain is every drafter's reference;
@@ -249,7 +253,7 @@ class GoodputGuard:
                 b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
 
     def _record(self, key: tuple[int, int, str], mode: Mode, step_no: int, drafted: bool, seconds: float,
-                tokens: int, rows: int) -> None:
+                tokens: float, rows: int) -> None:
         c = self.config
         b = self._bucket(key)
         if not drafted:  # modelled: the step's time over its predicted time (how the model misses plain steps)
@@ -272,7 +276,7 @@ class GoodputGuard:
         b.on_since += 1
         self._judge(key, b, step_no)
 
-    def _record_asked(self, key: tuple[int, int, str], step_no: int, seconds: float, tokens: int) -> None:
+    def _record_asked(self, key: tuple[int, int, str], step_no: int, seconds: float, tokens: float) -> None:
         """A step with the drafter on that verified nothing: its time is what being on costs where
         nothing is drafted (the asking, the learning); judged with the drafted steps in their share."""
         c = self.config
