@@ -5,7 +5,7 @@ The controller decides from models (acceptance rates, a step-cost fit), and mode
 inputs they have not seen. The guard looks only at what happened: for decode-only steps, bucketed by
 how many requests decode and how much context they attend to, it keeps a moving average of the
 seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
-came for a while, every step while the shape is off) and of the steps taken while drafting is on
+came for a while: 64 steps where drafts clearly pay, 8 while their gain is within 25% of plain's, every step while the shape is off) and of the steps taken while drafting is on
 (their whole time over every token they emitted, accepted and bonus; where no request waits for
 room and several decode, as many tokens a request as drafting gives the request it speeds least:
 the batch ends with its slowest request, so the others' extra tokens save no step): those that verified drafts,
@@ -70,6 +70,8 @@ class GuardConfig:
     min_steps: int = 3  # drafted steps measured before a bucket can be judged
     decay: float = 0.8  # weight of the old average per new step
     control_every: int = 64  # a plain step when none came at the bucket in this many steps
+    control_close: int = 8  # ... in this many, while drafting's gain is within `close` of plain's
+    close: float = 0.25
     share_decay: float = 0.95  # weight of the old share of drafted steps among steps with drafting on, per step
     probe_after: int = 16  # steps off before the first probe
     probe_max: int = 512  # the longest wait between probes
@@ -77,9 +79,11 @@ class GuardConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
-        for name in ("min_steps", "control_every", "probe_after", "probe_max"):
+        for name in ("min_steps", "control_every", "control_close", "probe_after", "probe_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
+        if self.close < 0:
+            raise ValueError(f"guard close: must be >= 0, got {self.close}")
         for name in ("decay", "share_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"guard {name}: must be in [0, 1), got {getattr(self, name)}")
@@ -204,9 +208,17 @@ class GoodputGuard:
             b.wait, b.next_probe, b.off_for = 0, min(b.next_probe, step_no + 1), frozenset()
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if step_no >= b.next_probe and b.plain.steps else Mode.PLAIN
-        if b.plain.steps == 0 or (b.seconds.steps and step_no - b.last_plain >= self.config.control_every):
+        if b.plain.steps == 0 or (b.seconds.steps and step_no - b.last_plain >= self._control_every(b)):
             return Mode.PLAIN  # the reference first, and again when it is old
         return Mode.DRAFT
+
+    def _control_every(self, b: _Bucket) -> int:
+        """Steps between plain references: fewer while drafting's measured gain is close to plain's,
+        where a reference a few percent off (taken while the cost model was still learning, or
+        at other contexts) decides the judgment; many where drafts clearly pay (each control step
+        gives up their gain)."""
+        c = self.config
+        return c.control_close if abs(b.gain() - 1.0) < c.close else c.control_every
 
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
                     seconds: float, tokens: float, rows: int, judged: bool = True, expected: float | None = None) -> None:
