@@ -268,8 +268,6 @@ class Speculator:
         self._open = True
         if self.enabled and decodes:
             self._step.plain_seconds = self.controller.predict(base)
-            if not waiting and len(decodes) >= 2:
-                self._step.fixed_share = self.controller.fixed_share(base, sampling_rows)
         self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
         if self.enabled and self.guard is not None:
             if base.tokens == sampling_rows:  # decode-only
@@ -282,6 +280,8 @@ class Speculator:
         if not self.enabled or not decodes or not self._active:  # the guard keeps every drafter off
             self._step.grants = [0] * len(decodes)
             return {}
+        if not waiting and len(self._step.rows) >= 2:  # read only where the step drafts (`_valued_tokens`)
+            self._step.fixed_share = self.controller.fixed_share(base, sampling_rows)
         try:
             offers = [_Offer(d, self._choose(d.request)) for d in decodes]
             self._grant(offers, base, sampling_rows)
