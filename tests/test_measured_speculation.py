@@ -643,13 +643,13 @@ def test_with_no_request_waiting_the_part_of_a_step_not_per_request_counts_the_s
     continuations = {tuple(p): o for p, o in zip(prompts, plain)}
     speculator.drafters = {name: OracleBut(continuations, tuple(prompts[3])) for name in speculator.drafters}
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
-    stats = llm.engine.speculation_stats()
-    assert stats.guard_turned_off >= 1
-    verified = sum(k * n for k, n in stats.grants)
-    # Counting every token, the seven draft 8 nodes a step each until they are done (about 900
-    # nodes here, from timings); judged by the eighth's rate, drafting goes off after the guard's
-    # first three drafted steps, and then only its probes draft.
-    assert verified <= 500, f"{verified} draft nodes verified"
+    assert llm.engine.speculation_stats().guard_turned_off >= 1
+    # Every drafter's bucket at the eight-request shapes ends off: judged by the eighth's rate, a
+    # step with drafting on emits no more tokens than requests, which never pays (nor does any
+    # probe), whatever the clock says. Counting every token, the seven's drafts paid by the clock
+    # and kept drafting on at those shapes until the seven were done.
+    eight = {k: b.off for k, b in speculator.guard._buckets.items() if k[0] == 8}
+    assert eight and all(eight.values()), eight
 
 
 def test_fixed_share_is_what_one_request_fewer_would_not_save() -> None:
