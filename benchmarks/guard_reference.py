@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +41,10 @@ def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     for llm in engines.values():
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-    seconds = dict.fromkeys(engines, 0.0)
-    tokens = dict.fromkeys(engines, 0)
-    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
-    groups = [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)]
-    for g, group in enumerate(groups):
-        for name in (CONFIGS if g % 2 == 0 else CONFIGS[::-1]):
-            start = time.perf_counter()
-            out = engines[name].generate(group, params, use_tqdm=False)
-            seconds[name] += time.perf_counter() - start
-            tokens[name] += sum(len(o.token_ids) for o in out)
-            outputs[name].extend(o.token_ids for o in out)
+    from guard_variants import take_turns  # beside this script
+
+    seconds, tokens, outputs = take_turns(engines, [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)],
+                                          params)
     rate = {name: tokens[name] / seconds[name] for name in engines}
     rows = {}
     for name, llm in engines.items():

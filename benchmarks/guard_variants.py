@@ -81,19 +81,14 @@ def time_forwards(llm: Any) -> dict[str, float]:
     return spent
 
 
-def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
-    from specserve import SamplingParams
-
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
-    for llm in engines.values():
-        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-    forwards = {name: time_forwards(llm) for name, llm in engines.items()}
+def take_turns(engines: dict[str, Any], groups: list[list[str]], params: Any
+               ) -> tuple[dict[str, float], dict[str, int], dict[str, list[list[int]]]]:
+    """Every engine generates each group in turn, the order reversed every other group: each
+    engine's seconds, tokens and outputs (in prompt order)."""
     names = list(engines)
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in names}
-    size = a.chunk if a.continuous else a.batch
-    groups = [prompts[i:i + size] for i in range(0, len(prompts), size)]
     for g, group in enumerate(groups):
         for name in (names if g % 2 == 0 else names[::-1]):
             start = time.perf_counter()
@@ -101,7 +96,19 @@ def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) 
             seconds[name] += time.perf_counter() - start
             tokens[name] += sum(len(o.token_ids) for o in out)
             outputs[name].extend(o.token_ids for o in out)
-    rate = {name: tokens[name] / seconds[name] for name in names}
+    return seconds, tokens, outputs
+
+
+def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
+    from specserve import SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    for llm in engines.values():
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    forwards = {name: time_forwards(llm) for name, llm in engines.items()}
+    size = a.chunk if a.continuous else a.batch
+    seconds, tokens, outputs = take_turns(engines, [prompts[i:i + size] for i in range(0, len(prompts), size)], params)
+    rate = {name: tokens[name] / seconds[name] for name in engines}
     rows = {}
     for name, llm in engines.items():
         s = llm.engine.speculation_stats()
