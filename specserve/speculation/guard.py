@@ -5,11 +5,12 @@ The controller decides from models (acceptance rates, a step-cost fit), and mode
 inputs they have not seen. The guard looks only at what happened: for decode-only steps, bucketed by
 how many requests decode and how much context they attend to, it keeps a moving average of the
 seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
-came for a while: 64 steps where drafts clearly pay, 8 while their gain is within 25% of plain's, every step while the shape is off) and of the steps taken while drafting is on
-(their whole time over every token they emitted, accepted and bonus; where no request waits for
-room and several decode, as many tokens a request as drafting gives the request it speeds least:
-the batch ends with its slowest request, so the others' extra tokens save no step): those that verified drafts,
-and those whose drafters were asked and nothing was verified (the controller found nothing worth
+came for a while: 64 steps where drafts clearly pay, 8 while their gain is within 25% of plain's,
+every step while the shape is off) and of the steps taken while drafting is on (their whole time
+over every token they emitted, accepted and bonus; where no request waits for room and several
+decode, the part of a step that is not per request counts only as many tokens a request as
+drafting gives the request it speeds least: the batch ends with its slowest request): those that
+verified drafts, and those whose drafters were asked and nothing was verified (the controller found nothing worth
 verifying, or the drafters proposed nothing), since being on cost them the asking and the
 learning (at batch 8 on a small model 211 of 508 steps, ~0.8 ms each over a plain one, in
 BENCHMARKS.md), and counted as plain they made the reference slower and drafting look even. Where the
@@ -224,9 +225,8 @@ class GoodputGuard:
                     seconds: float, tokens: float, rows: int, judged: bool = True, expected: float | None = None) -> None:
         """A step of `shape` that `modes` (from `modes`) said of, which took `seconds` and emitted
         `tokens` for `rows` requests (as the speculator values them: where no request waits for
-        room in the batch, a step with drafting on counts the rate of the request it speeds least
-        for every request, see `Speculator._valued_tokens`). `expected`: what the step would have taken without drafts (the
-        step-cost model's prediction for its own requests and context, fitted to every step's
+        room, see `Speculator._valued_tokens`). `expected`: what the step would have taken without
+        drafts (the step-cost model's prediction for its own requests and context, fitted to every step's
         measured time); given, a step with drafting on is judged against it (`_Bucket.gain`), else
         against the shape's plain steps. A step the guard made plain is every drafter's reference;
         a drafted one is judged in the buckets of the drafters whose nodes it verified, one that

@@ -161,7 +161,7 @@ class _Pace:
     plain_seconds: float = 0.0
     steps: int = 0
     tokens: int = 0
-    rate_sum: float = 0.0  # tokens of the steps with drafting on, each weighed RATE_DECAY ** its age in steps
+    rate_sum: float = 0.0  # tokens of the steps with drafting on, each weighed RATE_DECAY ** its age
     rate_weight: float = 0.0
     rate_step: int = 0  # the step number of the latest
 
@@ -202,7 +202,7 @@ class _Step:
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     guard: tuple[tuple[int, int], dict[str, Mode]] | None = None  # on decode-only steps: the shape, the guard's say per drafter
     probing: frozenset[str] = frozenset()  # the drafters the guard probes this step (asked first)
-    fixed_share: float | None = None  # no request waiting and several decoding: the plain step's share that is not per request
+    fixed_share: float | None = None  # none waiting, several decoding: the plain step's share not per request
     finished: list[tuple[str, RequestView]] = field(default_factory=list)  # left during the step
 
     def row(self, index: int) -> _Row:
