@@ -311,9 +311,9 @@ class StepCostModel:
         """The share of a plain step of `rows` decoding requests (`shape`) that one request fewer
         would not save: predicted time less `rows` times the time one average request adds (its
         row and the context it reads), over the predicted time, within [0, 1]."""
-        total = self.predict(shape)
         if rows < 2:
             return 1.0
+        total = self.predict(shape)
         fewer = StepShape(shape.tokens - 1, 0, shape.attended * (rows - 1) // rows)
         per_row = total - self.predict(fewer)
         return min(max((total - rows * per_row) / total, 0.0), 1.0)

@@ -633,22 +633,28 @@ class Speculator:
                 if d is None and r.view is not None:  # forced nodes only: no drafter's
                     self._since_draft[r.view.request_id] = self._since_draft.get(r.view.request_id, 0) + 1
         self._tell_drafters(notes)
+        drafting = step.guard is not None and any(m is not Mode.PLAIN for m in step.guard[1].values())
+        rates: list[float] = []  # with drafting on: each emitting request's tokens a step while it is
         if step.plain_seconds is not None:
             for r in step.rows.values():
                 rid = r.view.request_id if r.view is not None else r.plain_id
                 if rid is not None and r.ok:
+                    emitted = len(r.verdict.tokens)  # type: ignore[union-attr]
                     pace = self._pace.setdefault(rid, _Pace())
                     pace.seconds += seconds
                     pace.plain_seconds += step.plain_seconds
                     pace.steps += 1
-                    pace.tokens += len(r.verdict.tokens)  # type: ignore[union-attr]
+                    pace.tokens += emitted
+                    if drafting:
+                        pace.drafting_step(self._step_no, emitted)
+                        rates.append(pace.drafting_rate)
         self._grants.update(step.grants)
         if step.guard is not None and self.guard is not None:
             shape, modes = step.guard
             drafted_by = {r.drafted.name for r in step.rows.values() if r.drafted is not None}
             forced_only = not drafted_by and any(r.forced is not None for r in step.rows.values())  # a grammar's
             done = [r for r in step.rows.values() if r.ok]
-            tokens = self._valued_tokens(step, done, any(m is not Mode.PLAIN for m in modes.values()))
+            tokens = self._valued_tokens(step, done, rates)
             self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, tokens, len(done),
                                    judged=not forced_only, expected=step.plain_seconds)
         sums = self._sums
@@ -663,31 +669,21 @@ class Speculator:
             sums.update(cost_predicted_seconds=step.predicted_seconds, cost_actual_seconds=forward_seconds,
                         cost_abs_error_seconds=abs(step.predicted_seconds - forward_seconds), cost_steps=1)
 
-    def _valued_tokens(self, step: _Step, done: list[_Row], drafting: bool) -> float:
-        """The step's emitted tokens as the guard weighs them. Where requests wait for room, every
-        token counts (a request that ends sooner lets the next one in). Where none waits and
-        several decode, the batch runs until its slowest request ends: a request's extra tokens
-        save its own rows of later steps (the per-request part of a step's time), but the part of
-        a step that is not per request is paid until the request that drafting speeds least is
-        done. So a step with drafting on counts, for that share of a plain step (the cost model's
-        `fixed_share`), as many tokens a request as that request's rate (its tokens a step while
-        drafting is on, recent steps weighing most), and for the rest every token. (On ShareGPT at
-        batch 8 on the bundled model, `auto` saved 2-5% of the steps while its steps cost 10-17%
-        more, and the sum of tokens read as a gain.)"""
-        emitted = [len(r.verdict.tokens) for r in done]  # type: ignore[union-attr]
-        total = float(sum(emitted))
-        if not drafting:
-            return total
-        rates = []
-        for r, count in zip(done, emitted):
-            rid = r.view.request_id if r.view is not None else r.plain_id
-            if rid is None:
-                continue
-            pace = self._pace.setdefault(rid, _Pace())
-            pace.drafting_step(self._step_no, count)
-            rates.append(pace.drafting_rate)
+    def _valued_tokens(self, step: _Step, done: list[_Row], rates: list[float]) -> float:
+        """The step's emitted tokens as the guard weighs them (`rates`: with drafting on, each
+        emitting request's tokens a step while drafting is on, recent steps weighing most). Where
+        requests wait for room, every token counts (a request that ends sooner lets the next one
+        in). Where none waits and several decode, the batch runs until its slowest request ends: a
+        request's extra tokens save its own rows of later steps (the per-request part of a step's
+        time), but the part of a step that is not per request is paid until the request that
+        drafting speeds least is done. So a step with drafting on counts, for that share of a plain
+        step (the cost model's `fixed_share`), as many tokens a request as the least of the rates,
+        and for the rest every token. (On ShareGPT at batch 8 on the bundled model, `auto` saved
+        2-5% of the steps while its steps cost 3-9% more forward and 0.6-1 ms more outside it, and
+        the sum of tokens read as a gain: BENCHMARKS.md, session 17.)"""
+        total = float(sum(len(r.verdict.tokens) for r in done))  # type: ignore[union-attr]
         share = step.fixed_share
-        if share is None or len(done) < 2 or len(rates) < len(done):
+        if share is None or not rates or len(done) < 2 or len(rates) < len(done):
             return total
         return share * len(done) * min(rates) + (1.0 - share) * total
 
