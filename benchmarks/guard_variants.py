@@ -19,7 +19,7 @@ import json
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -121,35 +121,18 @@ def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) 
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dataset", default="sharegpt")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--continuous", action="store_true", help="groups of --chunk prompts as continuous batches")
-    ap.add_argument("--chunk", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=2, help="fresh engines each run")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variant", action="append", default=[],
-                    help="NAME:FIELD=VALUE,... an `auto` engine whose GuardConfig has these fields changed")
-    ap.add_argument("--own-weights", action="store_true",
-                    help="each engine computes with the weights it loaded (by default all use none's)")
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
+def run_all(a: argparse.Namespace, make_engines: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """`a.runs` runs, each on fresh engines from `make_engines` (a `none` among them, first), on the
+    questions of `a.dataset` that fit the model; each run's rows, printed as they come."""
     from specserve.bench.datasets import open_dataset
     from specserve.bench.spec import load_questions
     from specserve.tokenizer import apply_chat_template
 
     torch.set_num_threads(a.threads)
-    configs: dict[str, dict[str, Any] | None] = {"none": None, "auto": {}}
-    configs.update(parse_variant(v) for v in a.variant)
-    configs["none-again"] = None
     prompts: list[str] = []
     runs = []
     for r in range(a.runs):
-        engines = {name: build(o, a.model, a.batch) for name, o in configs.items()}
+        engines = make_engines()
         if not a.own_weights:  # one copy of the weights for all: where each engine's copy lies in memory moved
             model = engines["none"].engine.core.runner.model  # its speed by up to 5-10% an engine, run-long
             for llm in engines.values():
@@ -165,11 +148,39 @@ def main() -> None:
         for n, v in rows.items():
             print(f"  {n}: {v['steps']} steps, forward {1e3 * v['forward_s'] / v['steps']:.2f} ms a step, "
                   f"outside it {1e3 * v['outside_forward_s'] / v['steps']:.2f} ms", flush=True)
+    return runs
+
+
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dataset", default="sharegpt")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(ap)
+    ap.add_argument("--continuous", action="store_true", help="groups of --chunk prompts as continuous batches")
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=2, help="fresh engines each run")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:FIELD=VALUE,... an `auto` engine whose GuardConfig has these fields changed")
+    ap.add_argument("--own-weights", action="store_true",
+                    help="each engine computes with the weights it loaded (by default all use none's)")
+    a = ap.parse_args()
+    configs: dict[str, dict[str, Any] | None] = {"none": None, "auto": {}}
+    configs.update(parse_variant(v) for v in a.variant)
+    configs["none-again"] = None
+    runs = run_all(a, lambda: {name: build(o, a.model, a.batch) for name, o in configs.items()})
     if a.json:
         from specserve.bench.report import environment
 
         a.json.write_text(json.dumps({**environment(), "args": {k: str(v) for k, v in vars(a).items()},
-                                      "configs": {k: v for k, v in configs.items()}, "runs": runs}, indent=1))
+                                      "configs": configs, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
