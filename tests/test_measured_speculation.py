@@ -434,15 +434,21 @@ def test_the_guard_turns_garbage_drafts_off_and_good_ones_back_on(tiny_llama: Pa
     # the same drafters (by name) now drafting well: the guard judges each drafter on its own, so a
     # bucket switched off above (which drafter's depends on the timings) must be probed back on
     speculator.drafters = {name: Oracle({tuple(p): o for p, o in zip(prompts, plain)}) for name in speculator.drafters}
-    steps[0] = 0
-    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    # A probe is judged by the clock too, and early ones verify few nodes (the controller's
+    # estimates for these drafters start from the garbage phase): in about one run in twenty here
+    # none of the batch's ~5 probes paid, so the prompts may run a second time.
+    for _ in range(2):
+        steps[0] = 0
+        assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+        assert steps[0] <= plain_steps[0]
+        if speculator.guard.stats().turned_on:
+            break
     after = llm.engine.speculation_stats()
     # The guard's probes find drafts paying and turn the shape back on; how far speculation then
     # goes is the controller's (its estimates for the new drafter start from the prior): from 75
     # to 249 steps against 256 plain in repeated runs here, so not asserted.
     assert after.guard_probes > stats.guard_probes and after.accepted > stats.accepted
     assert speculator.guard.stats().turned_on >= 1
-    assert steps[0] <= plain_steps[0]
 
 
 def test_replay_judges_a_tree_by_the_emitted_tokens() -> None:

@@ -209,8 +209,9 @@ class GoodputGuard:
             b.wait, b.next_probe, b.off_for = 0, min(b.next_probe, step_no + 1), frozenset()
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if step_no >= b.next_probe and b.plain.steps else Mode.PLAIN
-        if b.plain.steps == 0 or (b.seconds.steps and step_no - b.last_plain >= self._control_every(b)):
-            return Mode.PLAIN  # the reference first, and again when it is old
+        since = step_no - b.last_plain
+        if b.plain.steps == 0 or (b.seconds.steps and since >= self.config.control_close and since >= self._control_every(b)):
+            return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
         return Mode.DRAFT
 
     def _control_every(self, b: _Bucket) -> int:
