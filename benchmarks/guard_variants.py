@@ -26,9 +26,12 @@ import torch
 
 # Not GuardConfig fields: kept_plain=1 makes the guard keep every step plain (speculation's
 # bookkeeping without drafts: the floor `auto` stands on); every_token=1 has the guard count every
-# emitted token also where no request waits (as before session 17: no fixed share).
+# emitted token also where no request waits (as before session 17: no fixed share); no_reserve=1
+# has the scheduler reserve no draft slots (with kept_plain=1: the bookkeeping without the blocks).
 KEPT_PLAIN = "kept_plain"
 EVERY_TOKEN = "every_token"
+NO_RESERVE = "no_reserve"
+RESERVING_NONE = "none-reserving"  # --reserving-none: no speculation, but draft slots reserved as `auto` does
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
@@ -36,7 +39,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     from specserve.speculation.guard import GuardConfig
 
     name, _, spec = text.partition(":")
-    types = {f.name: f.type for f in fields(GuardConfig)} | {KEPT_PLAIN: "int", EVERY_TOKEN: "int"}
+    types = {f.name: f.type for f in fields(GuardConfig)} | {KEPT_PLAIN: "int", EVERY_TOKEN: "int", NO_RESERVE: "int"}
     overrides: dict[str, Any] = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
@@ -46,15 +49,24 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-def build(overrides: dict[str, Any] | None, model: str, batch: int) -> Any:
+def build(overrides: dict[str, Any] | None, model: str, batch: int, reserving: bool = False) -> Any:
+    """An engine: `none` (overrides None), `auto` with the guard's overrides; `reserving`: `none`
+    whose scheduler reserves draft slots as `auto`'s does (its default K) and trims them after."""
     from specserve import LLM
+    from specserve.speculation.config import SpeculativeConfig
     from specserve.speculation.guard import GoodputGuard, GuardConfig, Mode
 
     llm = LLM(model, max_num_seqs=batch, speculative=None if overrides is None else dict(method="auto"))
+    core = llm.engine.core
+    if reserving:
+        k = SpeculativeConfig(method="auto").num_tokens
+        core.scheduler.draft_budget = lambda seq: max(0, min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1))
     if overrides:
         overrides = dict(overrides)
         kept_plain = overrides.pop(KEPT_PLAIN, 0)
-        speculator = llm.engine.core.speculator
+        if overrides.pop(NO_RESERVE, 0):
+            core.scheduler.draft_budget = lambda seq: 0
+        speculator = core.speculator
         if overrides.pop(EVERY_TOKEN, 0):
             speculator.controller.fixed_share = lambda shape, rows: None
         guard = speculator.guard = GoodputGuard(GuardConfig(**overrides))
@@ -171,11 +183,16 @@ def main() -> None:
                     help="NAME:FIELD=VALUE,... an `auto` engine whose GuardConfig has these fields changed")
     ap.add_argument("--own-weights", action="store_true",
                     help="each engine computes with the weights it loaded (by default all use none's)")
+    ap.add_argument("--reserving-none", action="store_true",
+                    help=f"also {RESERVING_NONE!r}: no speculation, draft slots reserved and trimmed as under auto")
     a = ap.parse_args()
     configs: dict[str, dict[str, Any] | None] = {"none": None, "auto": {}}
     configs.update(parse_variant(v) for v in a.variant)
+    if a.reserving_none:
+        configs[RESERVING_NONE] = None
     configs["none-again"] = None
-    runs = run_all(a, lambda: {name: build(o, a.model, a.batch) for name, o in configs.items()})
+    runs = run_all(a, lambda: {name: build(o, a.model, a.batch, reserving=name == RESERVING_NONE)
+                               for name, o in configs.items()})
     if a.json:
         from specserve.bench.report import environment
 
