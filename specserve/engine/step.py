@@ -20,7 +20,7 @@ from specserve.speculation.tree import DraftTree
 from specserve.speculation.verifier import Verdict
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StepRow:
     item: ScheduledSeq
     tree: DraftTree | None = None

@@ -90,7 +90,7 @@ class GuardConfig:
                 raise ValueError(f"guard {name}: must be in [0, 1), got {getattr(self, name)}")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Average:
     value: float = 0.0
     steps: int = 0
@@ -100,7 +100,7 @@ class _Average:
         self.steps += 1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Bucket:
     plain: _Average = field(default_factory=_Average)  # seconds per token of plain steps
     seconds: _Average = field(default_factory=_Average)  # of drafted steps
@@ -159,7 +159,7 @@ class GoodputGuard:
     def __init__(self, config: GuardConfig | None = None) -> None:
         self.config = config or GuardConfig()
         self._buckets: dict[tuple[int, int, str], _Bucket] = {}  # by (rows, context, drafter)
-        self._stats = GuardStats()
+        self._counts = dict.fromkeys(GuardStats.__dataclass_fields__, 0)  # GuardStats' fields, as they run
 
     @staticmethod
     def key(rows: int, attended: int) -> tuple[int, int]:
@@ -353,8 +353,8 @@ class GoodputGuard:
         b.asked_seconds, b.asked_tokens, b.drafted_n, b.asked_n = _Average(), _Average(), 0.0, 0.0
 
     def _count(self, **deltas: int) -> None:
-        s = self._stats
-        self._stats = GuardStats(**{k: getattr(s, k) + deltas.get(k, 0) for k in GuardStats.__dataclass_fields__})
+        for k, v in deltas.items():
+            self._counts[k] += v
 
     def stats(self) -> GuardStats:
-        return self._stats
+        return GuardStats(**self._counts)

@@ -83,7 +83,7 @@ class SpeculationStats:
         return self.cost_abs_error_seconds / self.cost_actual_seconds if self.cost_actual_seconds else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Drafted:
     name: str
     view: RequestView
@@ -91,7 +91,7 @@ class _Drafted:
     predicted: float  # expected accepted nodes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Offer:
     """A decode on its way through propose: the drafter chosen for it, the nodes granted, the tree
     proposed (pruned by its grammar, then extended by what the grammar forces next)."""
@@ -133,7 +133,7 @@ class _Offer:
             self.tree = extended
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Row:
     """What speculation knows of one batch item this step."""
 
@@ -151,7 +151,7 @@ class _Row:
         return self.verdict is not None and self.verdict.error is None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pace:
     """A request's steps so far against plain decoding's: their measured seconds, the plain step
     time predicted for each, how many, and the tokens they emitted; and its tokens a step while
@@ -187,7 +187,7 @@ class _Pace:
         return self.steps >= 2 and self.seconds * self.steps > self.plain_seconds * self.tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     """The speculator's record of a step: a row per batch item it saw, by the item's batch index
     (the engine's index space), and the step's totals."""
