@@ -668,3 +668,20 @@ def test_fixed_share_is_what_one_request_fewer_would_not_save() -> None:
     assert cost.predict(shape) == pytest.approx(0.018)
     assert cost.fixed_share(shape, 8) == pytest.approx(2 / 18)
     assert cost.fixed_share(StepShape(1, 0, 100), 1) == 1.0
+
+
+def test_a_drafter_whose_verified_trees_get_less_than_predicted_is_valued_at_what_they_got(tiny_llama: Path) -> None:
+    """Under `auto` each request's tree is the drafter's whose predicted value is highest, so the
+    tree verified is the one whose estimate is likeliest too high. A drafter whose verified trees
+    got half the accepted nodes the acceptance model predicted of them has its values (its worth
+    for a request, which decides who drafts) halved; one whose trees got more keeps its own
+    estimate (only ever a discount), and one never verified is taken at its word."""
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto"))
+    sp = llm.engine.speculator
+    before = {name: sp._worth(name, "r", 4) for name in ("ngram", "suffix", "recycling")}
+    for _ in range(200):
+        sp._calibrate("ngram", 2.0, 1)  # predicted 2 accepted nodes, got 1
+        sp._calibrate("suffix", 1.0, 2)  # got more than predicted
+    assert sp._worth("ngram", "r", 4) == pytest.approx(0.5 * before["ngram"], rel=0.05)
+    assert sp._worth("suffix", "r", 4) == pytest.approx(before["suffix"])
+    assert sp._worth("recycling", "r", 4) == pytest.approx(before["recycling"])
