@@ -685,3 +685,21 @@ def test_a_drafter_whose_verified_trees_get_less_than_predicted_is_valued_at_wha
     assert sp._worth("ngram", "r", 4) == pytest.approx(0.5 * before["ngram"], rel=0.05)
     assert sp._worth("suffix", "r", 4) == pytest.approx(before["suffix"])
     assert sp._worth("recycling", "r", 4) == pytest.approx(before["recycling"])
+
+
+def test_auto_compares_trees_by_expected_accepted_nodes_net_of_what_verifying_them_costs(tiny_llama: Path) -> None:
+    """A chain of eight unlikely nodes is expected to get more nodes accepted than a chain of two
+    likely ones (2.2 against 1.85), but its tail is not worth the rows it costs: `auto` keeps the tree
+    whose accepted nodes, less a node's cost (from the step-cost model, in tokens), are worth most,
+    and the cost model prices a node above nothing at batch 1."""
+    from specserve.speculation.controller import StepShape
+
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto"))
+    sp = llm.engine.speculator
+    long_chain, short_chain = DraftTree.chain([1] * 8), DraftTree.chain([2] * 2)
+    values = {"ngram": [0.7 ** d for d in range(1, 9)], "suffix": [0.95, 0.9]}
+    sp.acceptance.node_values = lambda name, rid, tree: values[name][: len(tree)]
+    assert sum(values["ngram"]) > sum(values["suffix"])
+    cost = 0.3
+    assert sp._net_value("suffix", "r", short_chain, cost) > sp._net_value("ngram", "r", long_chain, cost)
+    assert sp._node_cost(StepShape(1, 0, 100), 1, 100) > 0

@@ -286,7 +286,7 @@ class Speculator:
         try:
             offers = [_Offer(d, self._choose(d.request)) for d in decodes]
             self._grant(offers, base, sampling_rows)
-            self._run_drafters(offers)
+            self._run_drafters(offers, base, sampling_rows)
             for o in offers:
                 o.constrain()
             return self._select(offers, base, sampling_rows)
@@ -398,7 +398,7 @@ class Speculator:
         """Whether a request granted nodes by `name` is asked of every lookup drafter (`auto`)."""
         return not self._active[name].runs_a_model and len(self._lookups()) > 1
 
-    def _run_drafters(self, offers: list[_Offer]) -> None:
+    def _run_drafters(self, offers: list[_Offer], base: StepShape, rows: int) -> None:
         """Each drafter proposes for the requests it was chosen for and granted nodes. With several
         lookup drafters (`auto`), a request granted nodes by a lookup is asked of every lookup (each
         costs tens of microseconds) and keeps the tree its drafters' measured acceptance values most;
@@ -436,12 +436,34 @@ class Speculator:
         by_id = {id(o): o for o in offers}
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
+            cost = self._node_cost(base, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
             best = max(range(len(options)), key=lambda i: (
                 options[i][0] in self._step.probing,  # a probe's tree first: it is what the probe judges
-                sum(self.acceptance.node_values(options[i][0], o.rid, options[i][1])) * self._calibrated(options[i][0])))
+                self._net_value(options[i][0], o.rid, options[i][1], cost)))
             o.name, o.tree = options[best]
             o.others = options[:best] + options[best + 1:]
             o.rank = rank
+
+    def _node_cost(self, base: StepShape, rows: int, context: int) -> float:
+        """What verifying one more node (attending to `context`) adds to this step's predicted time,
+        in tokens at the step's plain rate (the plain step's time over the tokens it emits); 0 where
+        no cost model predicts (fixed grants)."""
+        plain = self.controller.predict(base)
+        more = self.controller.predict(StepShape(base.tokens + 1, base.drafted, base.attended + context,
+                                                 base.hot + context))
+        if plain is None or more is None or plain <= 0:
+            return 0.0
+        return max(0.0, (more - plain) * max(rows, 1) / plain)
+
+    def _net_value(self, name: str, request_id: str, tree: DraftTree, cost: float) -> float:
+        """A tree's expected accepted nodes less what verifying them costs, counting only the nodes
+        worth their cost (`cost`: a node's, in tokens; the second selection drops the rest). The
+        trees of `auto`'s drafters are compared by it: by expected accepted nodes alone a long chain
+        of unlikely nodes beat a short tree of likely ones and then cost its rows (on Spec-Bench at
+        batch 1 on the bundled model `auto` verified 3.4 nodes a drafted step for 2.11 tokens where
+        `suffix` alone verified 2.1 for 2.2; BENCHMARKS.md, session 18)."""
+        f = self._calibrated(name)
+        return sum(max(0.0, f * v - cost) for v in self.acceptance.node_values(name, request_id, tree))
 
     # A lookup drafter whose measured worth for a request is below this share of the best one's is
     # asked for it only on every ASK_ANYWAY-th step (so that its record can still recover).
