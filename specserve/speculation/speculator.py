@@ -333,9 +333,8 @@ class Speculator:
         trees' accepted nodes over what the model predicted of them, at most 1. Under `auto` a
         request's tree is the one whose predicted value is highest among the drafters', so the tree
         verified is the one whose estimate is likeliest too high: on Spec-Bench at batch 1 on the
-        bundled model, ngram's verified trees were predicted 16% more accepted nodes than they got,
-        recycling's 47%, while suffix's got 13% more than predicted; `auto` verified 45% more nodes
-        than `suffix` alone for 1.5% more accepted (BENCHMARKS.md, session 18). Only ever a
+        bundled model, ngram's verified trees got 0.78 of the accepted nodes predicted of them,
+        recycling's 0.59, suffix's 1.17 (BENCHMARKS.md, session 18). Only ever a
         discount: a drafter whose trees fare better than predicted keeps its values (its own
         estimates, not the choice, set how far it drafts)."""
         accepted, predicted = self._calibration.get(name, (0.0, 0.0))
