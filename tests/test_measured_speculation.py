@@ -702,4 +702,5 @@ def test_auto_compares_trees_by_expected_accepted_nodes_net_of_what_verifying_th
     assert sum(values["ngram"]) > sum(values["suffix"])
     cost = 0.3
     assert sp._net_value("suffix", "r", short_chain, cost) > sp._net_value("ngram", "r", long_chain, cost)
-    assert sp._node_cost(StepShape(1, 0, 100), 1, 100) > 0
+    base = StepShape(1, 0, 100)
+    assert sp._node_cost(base, sp.controller.predict(base), 1, 100) > 0

@@ -342,6 +342,8 @@ class Speculator:
         return min(1.0, (accepted + prior) / (predicted + prior))
 
     def _calibrate(self, name: str, predicted: float, accepted: int) -> None:
+        """A verified tree of `name`'s: what the acceptance model predicted of its nodes (before
+        `_calibrated`), and how many were accepted."""
         old_accepted, old_predicted = self._calibration.get(name, (0.0, 0.0))
         decay = self.CALIBRATION_DECAY
         self._calibration[name] = (old_accepted * decay + accepted, old_predicted * decay + predicted)
@@ -400,7 +402,8 @@ class Speculator:
     def _run_drafters(self, offers: list[_Offer], base: StepShape, rows: int) -> None:
         """Each drafter proposes for the requests it was chosen for and granted nodes. With several
         lookup drafters (`auto`), a request granted nodes by a lookup is asked of every lookup (each
-        costs tens of microseconds) and keeps the tree its drafters' measured acceptance values most;
+        costs tens of microseconds) and keeps the tree its drafters' measured acceptance values most
+        net of what verifying its nodes costs (`_net_value`);
         the offer's drafter becomes the one whose tree is kept."""
         asked: dict[str, list[_Offer]] = {}
         for o in offers:
@@ -433,9 +436,10 @@ class Speculator:
                 if len(tree) > 0:
                     trees.setdefault(id(o), []).append((name, tree))
         by_id = {id(o): o for o in offers}
+        plain = self.controller.predict(base) if any(len(options) > 1 for options in trees.values()) else None
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
-            cost = self._node_cost(base, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
+            cost = self._node_cost(base, plain, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
             best = max(range(len(options)), key=lambda i: (
                 options[i][0] in self._step.probing,  # a probe's tree first: it is what the probe judges
                 self._net_value(options[i][0], o.rid, options[i][1], cost)))
@@ -443,11 +447,10 @@ class Speculator:
             o.others = options[:best] + options[best + 1:]
             o.rank = rank
 
-    def _node_cost(self, base: StepShape, rows: int, context: int) -> float:
-        """What verifying one more node (attending to `context`) adds to this step's predicted time,
-        in tokens at the step's plain rate (the plain step's time over the tokens it emits); 0 where
-        no cost model predicts (fixed grants)."""
-        plain = self.controller.predict(base)
+    def _node_cost(self, base: StepShape, plain: float | None, rows: int, context: int) -> float:
+        """What verifying one more node (attending to `context`) adds to this step's predicted time
+        (`plain`: the step's without drafts), in tokens at the step's plain rate (the plain step's
+        time over the tokens it emits); 0 where no cost model predicts (fixed grants)."""
         more = self.controller.predict(StepShape(base.tokens + 1, base.drafted, base.attended + context,
                                                  base.hot + context))
         if plain is None or more is None or plain <= 0:
