@@ -1,9 +1,11 @@
 """Python's cyclic garbage collections during a batch run, by generation: how many, their seconds,
-the longest; with the heap the engine freezes once built (`engine.freeze_startup_heap`), or, with
---thaw, with everything the engine left tracked again (as before session 18).
+the longest; with --freeze, with the heap frozen (`gc.freeze()`) once the engine is built.
 
     python benchmarks/gc_pauses.py --spec auto --prompts 64 --batch 8
-    python benchmarks/gc_pauses.py --spec auto --prompts 64 --batch 8 --thaw
+    python benchmarks/gc_pauses.py --spec auto --prompts 64 --batch 8 --freeze
+
+(Session 18's JSONs came from 5595c65, whose engine froze the heap once built, and `--thaw`, which
+undid it; the freeze was reverted in the same session: BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--thaw", action="store_true", help="unfreeze the heap after the engine is built")
+    ap.add_argument("--freeze", action="store_true", help="freeze the heap once the engine is built")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
@@ -37,9 +39,9 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     llm = LLM(a.model, max_num_seqs=a.batch, speculative=None if a.spec == "none" else dict(method=a.spec))
+    if a.freeze:
+        gc.freeze()
     frozen = gc.get_freeze_count()
-    if a.thaw:
-        gc.unfreeze()
     questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
     prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
@@ -63,7 +65,7 @@ def main() -> None:
     for gen in sorted({g for g, _ in pauses}):
         times = [s for g, s in pauses if g == gen]
         by_gen[gen] = {"collections": len(times), "seconds": round(sum(times), 4), "longest_ms": round(1e3 * max(times), 2)}
-    result = {"seconds": round(seconds, 2), "frozen_at_start": frozen, "thawed": a.thaw,
+    result = {"seconds": round(seconds, 2), "frozen_at_start": frozen,
               "tracked_after": len(gc.get_objects()), "by_generation": by_gen}
     print(json.dumps(result, indent=1))
     if a.json:

@@ -144,19 +144,3 @@ def test_a_request_that_ends_at_once_still_publishes_its_prompt_to_the_prefix_ca
     assert second.token_ids == first.token_ids
     assert_all_blocks_free(llm.engine)
 
-
-def test_the_startup_heap_is_frozen_and_a_dropped_engine_is_reclaimed(tiny_llama: Path) -> None:
-    """An engine leaves what exists once it is built out of full garbage collections (they would
-    walk every object of the imports and the model each time), and building another engine in the
-    same process first reclaims an engine dropped meanwhile, reference cycles and all: nothing
-    leaks however many engines a process builds in turn."""
-    import gc
-    import weakref
-
-    first = LLM(str(tiny_llama))
-    assert gc.get_freeze_count() > 0
-    kv = weakref.ref(first.engine.core.runner.kv_cache[0][0])
-    cycle = weakref.ref(first.engine.core.scheduler)  # held by the core, and holding the core's bound methods
-    del first
-    LLM(str(tiny_llama))
-    assert kv() is None and cycle() is None

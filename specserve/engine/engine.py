@@ -10,7 +10,6 @@ thread use it; its attributes (scheduler, blocks, runner, speculator, ...) are t
 
 from __future__ import annotations
 
-import gc
 import itertools
 from typing import Any
 
@@ -42,7 +41,6 @@ class LLMEngine:
         self.core = EngineCore(config, model, tokenizer, spec, draft_builder)
         self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()
-        freeze_startup_heap()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -99,17 +97,3 @@ class LLMEngine:
     draft_totals = property(lambda self: self.core.draft_totals)
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
 
-
-def freeze_startup_heap() -> None:
-    """Leave what exists once an engine is built (the imports' objects, the model, the tokenizer:
-    ~180k objects with the bundled model) out of Python's cyclic garbage collection, which would
-    otherwise walk all of them at every full collection: 108 ms once in a 64-request batch-8 run
-    on the bundled model under `auto`, whose drafters' indexes of the requests' tokens bring full
-    collections on, against 10 ms frozen (BENCHMARKS.md, session 18). Building the first engine
-    finds no garbage to collect first (0 objects), so the first freeze is free; a later engine in
-    the same process first thaws and collects what the earlier ones left (an engine dropped while
-    frozen is reclaimed here, ~90 ms), then freezes again."""
-    if gc.get_freeze_count():
-        gc.unfreeze()
-        gc.collect()
-    gc.freeze()
