@@ -143,4 +143,3 @@ def test_a_request_that_ends_at_once_still_publishes_its_prompt_to_the_prefix_ca
     assert second.metrics.num_cached_prompt_tokens == 240  # 16 full blocks, the last token computed again
     assert second.token_ids == first.token_ids
     assert_all_blocks_free(llm.engine)
-

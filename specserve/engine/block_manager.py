@@ -130,7 +130,8 @@ class BlockManager:
                 self._tokens[block] = tokens
 
     def free(self, seq: Sequence) -> None:
-        """Release all of `seq`'s blocks. Tail blocks go first so that they are reused first."""
+        """Release all of `seq`'s blocks (`_release`): cached ones to the free list's end, tail first,
+        so that its prefix is evicted last; uncached ones to the front, taken next."""
         for b in reversed(seq.block_table):
             self._ref[b] -= 1
             assert self._ref[b] >= 0, f"block {b} freed twice"

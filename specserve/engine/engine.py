@@ -96,4 +96,3 @@ class LLMEngine:
     speculator = property(lambda self: self.core.speculator)
     draft_totals = property(lambda self: self.core.draft_totals)
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
-
