@@ -143,3 +143,21 @@ def test_a_request_that_ends_at_once_still_publishes_its_prompt_to_the_prefix_ca
     assert second.metrics.num_cached_prompt_tokens == 240  # 16 full blocks, the last token computed again
     assert second.token_ids == first.token_ids
     assert_all_blocks_free(llm.engine)
+
+
+
+def test_the_imports_are_frozen_and_a_dropped_engine_is_reclaimed(tiny_llama: Path) -> None:
+    """Building an LLM leaves the imports' objects out of full garbage collections (they would
+    walk every one of them each time) but not the engine's: an LLM dropped, reference cycles
+    and all, is reclaimed by the next collection, model and K/V cache with it."""
+    import gc
+    import weakref
+
+    first = LLM(str(tiny_llama))
+    assert gc.get_freeze_count() > 0
+    kv = weakref.ref(first.engine.core.runner.kv_cache[0][0])
+    weight = weakref.ref(first.engine.core.runner.model.embed_tokens.weight)
+    cycle = weakref.ref(first.engine.core.scheduler)  # held by the core, and holding the core's bound methods
+    del first
+    gc.collect()
+    assert kv() is None and weight() is None and cycle() is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import logging
 import time
 import zlib
@@ -112,6 +113,20 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None)
     return net, tokenizer, limit, "gguf"
 
 
+def _freeze_the_imports() -> None:
+    """Leave the objects of the process's imports out of Python's cyclic garbage collection, once
+    per process: ~171k of the ~180k objects a full collection walks once the bundled model is
+    loaded are the imports' (torch, transformers, ...), and walking them took 50-120 ms a full
+    collection, which `auto`'s drafters (their indexes of the requests' tokens) bring on during a
+    run (BENCHMARKS.md, sessions 18 and 19). Done before anything of the engine exists, so an LLM
+    dropped later is reclaimed as usual; what the caller held then (objects that are still freed
+    by their reference counts, but whose reference cycles would now stay) is the price, as for
+    `gc.freeze()` anywhere. A process that froze its heap already is left as it is."""
+    if not gc.get_freeze_count():
+        gc.collect()  # what is garbage already is not kept
+        gc.freeze()
+
+
 def _return_freed_memory() -> None:
     """Give the float weights freed by quantization back to the OS (glibc keeps freed heap
     memory otherwise, and the process's resident size would stay at its loading peak)."""
@@ -148,6 +163,7 @@ class LLM:
         max_model_len, max_num_seqs, kv_cache_gb, speculative, ...)."""
         self.args = EngineArgs.from_kwargs(model, options)
         args = self.args
+        _freeze_the_imports()
         if args.threads:
             torch.set_num_threads(args.threads)
         torch_dtype = parse_dtype(args.dtype)
