@@ -5,7 +5,8 @@ the longest; with --freeze, with the heap frozen (`gc.freeze()`) once the engine
     python benchmarks/gc_pauses.py --spec auto --prompts 64 --batch 8 --freeze
 
 (Session 18's JSONs came from 5595c65, whose engine froze the heap once built, and `--thaw`, which
-undid it; the freeze was reverted in the same session: BENCHMARKS.md.)
+undid it; the freeze was reverted in the same session. Since session 19 `LLM` freezes the imports'
+objects once per process before it builds anything: `frozen_at_start` counts them. BENCHMARKS.md.)
 """
 
 from __future__ import annotations
