@@ -436,7 +436,7 @@ class Speculator:
                 if len(tree) > 0:
                     trees.setdefault(id(o), []).append((name, tree))
         by_id = {id(o): o for o in offers}
-        plain = self.controller.predict(base) if any(len(options) > 1 for options in trees.values()) else None
+        plain = self._step.plain_seconds  # `propose` predicted the step without drafts already
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
             cost = self._node_cost(base, plain, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
