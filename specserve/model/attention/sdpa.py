@@ -14,11 +14,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.model.attention.base import AttentionBackend, AttentionBatch, write_kv
 
 # Requests with at most this many new tokens (decodes, draft trees) share one padded SDPA call.
 SMALL_QUERY = 16
+
+# The SDPA kernels the backend lets torch choose among: every one but cuDNN's, which builds and
+# compiles an execution graph for each new (query length, key length) shape. Decoding changes
+# the key length every block and a draft tree the query length nearly every step, so on an H100
+# a step carrying a new tree shape cost 3x a plain step while the same shape, warm, cost 1.0-1.3x
+# (BENCHMARKS.md, GPU session 20). Flash and memory-efficient attention take any shape as it comes.
+SDPA_KERNELS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,11 @@ class SdpaBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if k_cache.dtype != k.dtype:  # attend to K/V as the cache holds them, as every later read will
             k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
+        with sdpa_kernel(list(SDPA_KERNELS)):
+            return self._attend(q, k, v, k_cache, v_cache, meta)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if len(meta.groups) == 1 and meta.groups[0].causal_range == (0, q.shape[0]):
             return self._causal(q, k, v)
         out = torch.empty_like(q)
