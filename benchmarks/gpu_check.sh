@@ -4,6 +4,9 @@
 #   2. `specserve bench throughput` on a Llama-3.1-8B shape with random weights in bfloat16,
 #      beside transformers generate() on the same shape, and the batch-1 roofline fraction;
 #   3. where a step's time goes (benchmarks/gpu_step_profile.py: host against GPU time);
+#      VERIFY_COST=1: a forward's time by draft nodes, same shape repeated, with profiler traces
+#      (benchmarks/gpu_verify_cost.py); SPEC_STEPS=1,8,32: plain against `auto` in the engine, each
+#      step timed and split by whether it carried drafts (benchmarks/gpu_spec_steps.py);
 #   4. the losslessness, batching, sampling and parity tests with every engine on the GPU
 #      (SPECSERVE_TEST_DEVICE=cuda, tests/conftest.py): greedy equivalence of every drafter,
 #      the exact-distribution checks, batch invariance.
@@ -24,7 +27,7 @@ lscpu | grep -m1 'Model name' | tee -a "$OUT/gpu.txt"
 
 start=$(date +%s)
 MAX_JOBS=16 $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+echo "build: $(( $(date +%s) - start )) s"; rm -f "$OUT/build.log"
 
 # SPECS: the --spec values to time, one `bench throughput` each (the first one also times transformers
 # unless NO_TRANSFORMERS is set); the JSON of each lands in $OUT/throughput_<spec>.json.
@@ -46,8 +49,21 @@ start=$(date +%s)
   --json "$OUT/step_profile.json" >"$OUT/step_profile.log" 2>&1
   echo "step profile: rc=$? in $(( $(date +%s) - start )) s"; grep '^{' "$OUT/step_profile.log"; }
 
+if [ -n "${VERIFY_COST:-}" ]; then
+  start=$(date +%s)
+  $PY benchmarks/gpu_verify_cost.py --model "${SHAPE:-llama-3.1-8b}" --batches "${VERIFY_BATCHES:-1,8,32}" \
+    --trace-dir "$OUT" --json "$OUT/verify_cost.json" 2>&1 | grep -v USDT
+  echo "verify cost: $(( $(date +%s) - start )) s"
+fi
+if [ -n "${SPEC_STEPS:-}" ]; then
+  start=$(date +%s)
+  $PY benchmarks/gpu_spec_steps.py --model "${SHAPE:-llama-3.1-8b}" --batches "$SPEC_STEPS" --spec "${SPEC:-auto}" \
+    --json "$OUT/spec_steps.json" 2>&1 | grep -v USDT
+  echo "spec steps: $(( $(date +%s) - start )) s"
+fi
+
 start=$(date +%s)
-SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+[ "${TEST_TIMEOUT:-240}" = 0 ] || SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
   tests/test_spec_decoding.py tests/test_batching.py tests/test_sampling.py tests/test_model_parity.py \
   tests/test_lossless_mutations.py tests/test_eagle.py tests/test_measured_speculation.py \
   >"$OUT/tests.log" 2>&1
