@@ -34,9 +34,17 @@ def _off_or_float(text: str) -> float | None:
     return None if text.strip().lower() in ("off", "none") else float(text)
 
 
+# What `--spec` is when the command line does not say: speculation that measures whether it pays
+# and drafts nothing where it does not, so a user of `specserve serve/generate` gets it by default.
+# `LLM(...)` in Python (EngineArgs itself) keeps plain decoding unless asked, as vLLM's does: it is
+# the reference every equivalence test compares speculation with.
+CLI_SPEC_DEFAULT = "auto"
+
+
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything that shapes an engine, with the defaults of `specserve generate/serve`.
+    """Everything that shapes an engine, with the defaults of `specserve generate/serve` (but
+    speculation: the command line's `--spec` defaults to CLI_SPEC_DEFAULT, this class to none).
 
     quantization: auto | none | int8 | int4 | gguf. auto takes the precision the weights were
         shipped in: on the CPU a GGUF runs on its own blocks (gguf: each tensor its own type, never
@@ -123,9 +131,10 @@ class EngineArgs:
         g.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: PyTorch's choice)")
         s = p.add_argument_group("speculative decoding")
         spec = d.speculative
-        s.add_argument("--spec", default=spec.method,
-                       help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' "
-                            f"(default: {spec.method}); auto picks per request among suffix, ngram, recycling")
+        s.add_argument("--spec", default=CLI_SPEC_DEFAULT,
+                       help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' (default: "
+                            f"{CLI_SPEC_DEFAULT}: picks per request among suffix, ngram, recycling, and drafts only "
+                            f"where it measures drafts paying; none: plain decoding)")
         s.add_argument("--spec-tokens", type=int, default=spec.num_tokens,
                        help="the most draft tokens a request gets per step (K)")
         s.add_argument("--spec-controller", choices=CONTROLLERS, default=spec.controller,
