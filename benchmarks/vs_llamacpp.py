@@ -173,6 +173,8 @@ def main() -> None:
                     help="also time each specserve configuration through LLM.chat (the server's overhead)")
     ap.add_argument("--gguf", default=None, help="the GGUF file {gguf} stands for (default: the bundled model's)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="a PNG of tokens/s by category (the prompts' categories; several rounds pooled)")
     ap.add_argument("--log-dir", type=Path, default=Path("bench_results/vs_llamacpp_logs"))
     a = ap.parse_args()
     gguf = str(Path(a.gguf).expanduser()) if a.gguf else str(find_bundled_gguf("smollm2-135m"))
@@ -246,6 +248,10 @@ def main() -> None:
         if c.valid:
             row["valid"] = sum(c.valid)
             row["tokens"] = sum(tokens)
+        if not structured:
+            cats = [s.category or s.prompt[:24] for s in samples] * a.rounds
+            row["per_request"] = [{"category": cat, "tokens": n, "seconds": round(t, 4)}
+                                  for cat, n, t in zip(cats, tokens, c.seconds)]
         rows.append(row)
     width = max(len(r["config"]) for r in rows)
     print(f"{'config':<{width}}  tok/s   median req tok/s   ratio vs {base.name}")
@@ -253,10 +259,28 @@ def main() -> None:
         print(f"{r['config']:<{width}}  {r['tokens_per_s']:6.1f}   {r['median_request_tokens_per_s']:15.1f}   "
               f"{r[f'median_ratio_vs_{base.name}']:.3f}"
               + (f"   valid {r['valid']}/{r['requests']}, {r['tokens']} tokens" if "valid" in r else ""))
+    if a.plot is not None and not structured:
+        plot_by_category(a.plot, rows, f"{a.workload}, batch 1, {a.max_tokens} tokens, {a.threads} threads")
     if a.json is not None:
         a.json.write_text(json.dumps({"rows": rows, "max_tokens": a.max_tokens, "threads": a.threads,
                                       "workload": a.workload, "prompts": len(structured or samples),
                                       "rounds": a.rounds}, indent=2))
+
+
+def plot_by_category(path: Path, rows: list[dict], title: str) -> None:
+    """Each configuration's tokens/s per category (its requests of that category pooled), the
+    categories in the prompts' order, then all requests."""
+    from specserve.bench.plots import plot_grouped_bars
+
+    cats = list(dict.fromkeys(r["category"] for r in rows[0]["per_request"]))
+    series = {}
+    for row in rows:
+        rates = []
+        for cat in cats:
+            mine = [q for q in row["per_request"] if q["category"] == cat]
+            rates.append(sum(q["tokens"] for q in mine) / sum(q["seconds"] for q in mine))
+        series[row["config"]] = rates + [row["tokens_per_s"]]
+    plot_grouped_bars(path, cats + ["all"], series, "output tokens/s", title)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def plot_rate_sweep(path: Path, rows: Sequence[Mapping[str, Any]], title: str) -
 def plot_grouped_bars(path: Path, groups: Sequence[str], series: Mapping[str, Sequence[float | None]],
                       ylabel: str, title: str, xlabel: str = "") -> None:
     """Bars for each group (x) and series (colour); a missing value leaves a gap."""
-    fig, (ax,) = _figure(max(6.0, 0.9 * len(groups) * max(1, len(series))), 4.4)
+    fig, (ax,) = _figure(min(16.0, max(6.0, 0.9 * len(groups) * max(1, len(series)))), 4.4)
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
