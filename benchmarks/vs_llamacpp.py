@@ -159,7 +159,7 @@ def valid_json(case: dict, text: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-bin", type=Path, required=True, help="directory holding llama-server")
+    ap.add_argument("--llama-bin", type=Path, default=Path("."), help="directory holding llama-server")
     ap.add_argument("--llama", action="append", default=[], metavar="NAME=ARGS", help="a llama-server configuration")
     ap.add_argument("--specserve", action="append", default=[], metavar="NAME=ARGS",
                     help="a `specserve serve` configuration")
@@ -176,7 +176,15 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None,
                     help="a PNG of tokens/s by category (the prompts' categories; several rounds pooled)")
     ap.add_argument("--log-dir", type=Path, default=Path("bench_results/vs_llamacpp_logs"))
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="run nothing: plot (--plot) an earlier run's JSON")
     a = ap.parse_args()
+    if a.from_json is not None:
+        earlier = json.loads(a.from_json.read_text())
+        if a.plot is not None:
+            plot_by_category(a.plot, earlier["rows"], f"{earlier['workload']}, batch 1, {earlier['max_tokens']} tokens, "
+                             f"{earlier['threads']} threads")
+        return
     gguf = str(Path(a.gguf).expanduser()) if a.gguf else str(find_bundled_gguf("smollm2-135m"))
     configs: list[Config] = []
     for spec in a.llama:

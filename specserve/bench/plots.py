@@ -91,7 +91,8 @@ def plot_grouped_bars(path: Path, groups: Sequence[str], series: Mapping[str, Se
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         bars = ax.bar(xs, [_num(v) for v in values], width, label=name)
-        ax.bar_label(bars, labels=["" if v is None else f"{v:.1f}" for v in values], fontsize=7)
+        if len(series) <= 3:  # more bars a group and their labels overlap
+            ax.bar_label(bars, labels=["" if v is None else f"{v:.1f}" for v in values], fontsize=7)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=20 if max((len(g) for g in groups), default=0) > 8 else 0)
     ax.set_ylabel(ylabel)
