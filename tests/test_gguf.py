@@ -525,3 +525,43 @@ def test_a_heads_readout_and_embedding_are_the_targets_rows_without_dense_copies
     assert isinstance(drafter, EagleDrafter)
     outs = spec.generate(random_prompts(3, seed=4, vocab=259), GREEDY, use_tqdm=False)
     assert spec.engine.draft_totals.proposed > 0 and all(o.token_ids for o in outs)
+
+
+def test_a_gguf_cache_entry_is_found_by_content_and_the_entries_are_bounded(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion of a GGUF (and of its tokenizer) is cached under the file's content: the same
+    file at another path (another virtual environment) or touched finds the entry it has, a changed
+    file gets its own, and a kind's entries are kept to the most recently used few. Keyed by path
+    and mtime, the cache grew by one 517 MB entry for every install of the bundled model."""
+    import os
+    import shutil
+
+    from specserve.model import loader
+    from specserve.model.gguf_model import gguf_tokenizer_dir
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECSERVE_CACHE", str(cache))
+    monkeypatch.setattr(loader, "KEEP_CONVERSIONS", 2)
+    src = files["llama"]
+    copies = []
+    for i in range(3):
+        copy = tmp_path / f"venv{i}" / src.name
+        copy.parent.mkdir()
+        shutil.copy(src, copy)
+        copies.append(copy)
+    os.utime(copies[0], (1, 1))
+    first = loader.convert_gguf(src)
+    assert loader.convert_gguf(copies[0]) == first and gguf_tokenizer_dir(copies[0]) == gguf_tokenizer_dir(src)
+    assert [p.name for p in (cache / "gguf").iterdir()] == [first.name]
+
+    changed = []
+    for i, copy in enumerate(copies[1:], start=1):  # a changed weight: another file
+        data = bytearray(copy.read_bytes())
+        data[-1] ^= 0x1
+        data[len(data) // 2] ^= i
+        copy.write_bytes(bytes(data))
+        changed.append(loader.convert_gguf(copy))
+    assert len({first, *changed}) == 3
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted(p.name for p in changed)  # the oldest went
+    assert loader.convert_gguf(copies[2]) == changed[1] and (changed[1] / "model.safetensors").is_file()

@@ -11,7 +11,6 @@ those two tensors are put back in row order (a copy of their blocks, not a requa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.isa import cache_root
+from specserve.model.file_cache import entry_dir, mark_used
 from specserve.model.gguf_file import CONVERTED, QUANTIZED, GGUFError, GGUFFile, StringArray
 from specserve.model.quant import KernelFactory, gguf_candidates
 
@@ -71,13 +70,15 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf)
 
 
+KEEP_TOKENIZERS = 32  # converted tokenizers kept, the most recently used (a few MB each)
+
+
 def gguf_tokenizer_dir(path: Path) -> Path:
     """A directory with the file's tokenizer (converted by transformers, once per file: about 20 s
     for a 150k vocabulary; later starts read the cached conversion) and its config.json."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:tok2".encode()).hexdigest()[:16]
-    target = cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
+    target = entry_dir("gguf-tokenizers", path, "tok3")
     if (target / "config.json").is_file():
+        mark_used(target, KEEP_TOKENIZERS)
         return target
     from transformers import AutoTokenizer
 
@@ -102,6 +103,7 @@ def gguf_tokenizer_dir(path: Path) -> Path:
         tmp.rename(target)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
+    mark_used(target, KEEP_TOKENIZERS)
     logger.warning("tokenizer converted in %.1f s", time.perf_counter() - start)
     return target
 

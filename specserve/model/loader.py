@@ -8,7 +8,6 @@ also what the parity tests and the transformers baseline load.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -23,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from specserve.config import NAMED_SHAPES, ModelConfig
-from specserve.isa import cache_root
+from specserve.model.file_cache import entry_dir, mark_used
 
 logger = logging.getLogger("specserve.model")
 
@@ -291,16 +290,22 @@ def _gguf_hf_state_dict(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor
     return out
 
 
+# Dequantized conversions kept: the most recently used few, within a size (a 1.5B model's float32
+# weights are 6 GB).
+KEEP_CONVERSIONS = 6
+CONVERSION_BYTES = 16 << 30
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    return entry_dir("gguf", gguf_path, "v2")
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file into a cached Hugging Face style directory (once) and return it."""
+    """Dequantize a GGUF file into a cached Hugging Face style directory (once per file content)
+    and return it."""
     target = gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
+        mark_used(target, KEEP_CONVERSIONS, CONVERSION_BYTES)
         return target
     import gguf
     from safetensors.torch import save_file
@@ -320,6 +325,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         tmp.rename(target)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
+    mark_used(target, KEEP_CONVERSIONS, CONVERSION_BYTES)
     return target
 
 
