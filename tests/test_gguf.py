@@ -565,3 +565,6 @@ def test_a_gguf_cache_entry_is_found_by_content_and_the_entries_are_bounded(
     assert len({first, *changed}) == 3
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted(p.name for p in changed)  # the oldest went
     assert loader.convert_gguf(copies[2]) == changed[1] and (changed[1] / "model.safetensors").is_file()
+    monkeypatch.setattr(loader, "CONVERSION_BYTES", 1)  # within a size too: the one in use stays
+    loader.convert_gguf(copies[2])
+    assert [p.name for p in (cache / "gguf").iterdir()] == [changed[1].name]

@@ -68,9 +68,10 @@ def mark_used(entry: Path, keep: int, max_bytes: int | None = None) -> None:
             continue
         done.append((used, other))
     done.sort(reverse=True)
-    total = _size(entry) if max_bytes is not None else 0
-    for rank, (_, other) in enumerate(done):
-        if max_bytes is not None and rank < keep - 1:
-            total += _size(other)
-        if rank >= keep - 1 or (max_bytes is not None and total > max_bytes):
+    kept, total = 1, _size(entry) if max_bytes is not None else 0
+    for _, other in done:  # the most recently used first
+        size = _size(other) if max_bytes is not None else 0
+        if kept < keep and (max_bytes is None or total + size <= max_bytes):
+            kept, total = kept + 1, total + size
+        else:
             shutil.rmtree(other, ignore_errors=True)
