@@ -57,8 +57,9 @@ if [ -n "${VERIFY_COST:-}" ]; then
 fi
 if [ -n "${SPEC_STEPS:-}" ]; then
   start=$(date +%s)
+  # SPEC_STEPS_ARGS: more options, e.g. "--interleave --profile-dir $OUT" (both engines in one process)
   $PY benchmarks/gpu_spec_steps.py --model "${SHAPE:-llama-3.1-8b}" --batches "$SPEC_STEPS" --spec "${SPEC:-auto}" \
-    --json "$OUT/spec_steps.json" 2>&1 | grep -v USDT
+    --json "$OUT/spec_steps.json" ${SPEC_STEPS_ARGS:-} 2>&1 | grep -v USDT
   echo "spec steps: $(( $(date +%s) - start )) s"
 fi
 
