@@ -1,0 +1,97 @@
+"""What an FR-Spec LM head buys a draft model: the 0.5B draft's head cut to its N most frequent rows
+(its own GGUF blocks for those rows, the rest of the vocabulary never proposed), against the full
+head, both drafting for the 1.5B target with a fixed budget of K tokens, on Spec-Bench's 13
+first questions (greedy, 128 tokens, the two engines taking each prompt in turn).
+
+The rows' frequency is counted on HumanEval's prompts (not the measured ones), ties broken by token
+id (byte-level BPE ids run roughly from frequent to rare). A measurement to decide whether to build
+it, not the engine's code: the cut head is patched onto the draft model here.
+
+    python benchmarks/draft_frspec.py --target $M --draft $D --rows 32768 --tokens 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--rows", type=int, default=32768, help="head rows kept (the most frequent tokens)")
+    ap.add_argument("--tokens", type=int, default=2, help="draft tokens a step (fixed controller)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    from specserve import LLM, SamplingParams
+    from specserve.bench.datasets import SampleSpec, open_dataset
+    from specserve.model.quant import GGUFLinearKernel
+
+    def make(rows: torch.Tensor | None):  # type: ignore[no-untyped-def]
+        llm = LLM(a.target, threads=a.threads, speculative=dict(method="draft-model", draft_model=a.draft,
+                                                                 num_tokens=a.tokens, controller="fixed"))
+        model = llm.engine.core.speculator.drafters["draft-model"].forward.__self__.model
+        if rows is not None:
+            emb = model.embed_tokens  # the tied head's own blocks, one row per token
+            cut = GGUFLinearKernel([emb.blocks[rows].contiguous()], [emb.type_id], None, model.lm_head.kernel.isa)
+            vocab = model.config.vocab_size
+
+            def logits(h: torch.Tensor) -> torch.Tensor:
+                out = torch.full((h.shape[0], vocab), float("-inf"))
+                out[:, rows] = cut(h.float())
+                return out
+
+            model.compute_logits = logits
+        return llm, model
+
+    full, full_model = make(None)
+    counts: collections.Counter = collections.Counter()
+    for x in open_dataset("humaneval", None).sample(SampleSpec(seed=0, num=164, output_len=a.max_tokens)).samples:
+        counts.update(full.tokenizer.encode(x.prompt))
+    order = sorted(range(full_model.config.vocab_size), key=lambda i: (-counts[i], i))
+    rows = torch.tensor(sorted(order[: a.rows]))
+    cut, cut_model = make(rows)
+
+    h = torch.randn(1, full_model.config.hidden_size)
+
+    def ms(fn, n: int = 20) -> float:  # type: ignore[no-untyped-def]
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return round(statistics.median(ts) * 1e3, 3)
+
+    head_ms = {"full": ms(lambda: full_model.compute_logits(h)), "cut": ms(lambda: cut_model.compute_logits(h))}
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
+    totals = {name: dict(seconds=0.0, tokens=0, accepted=0, drafted_steps=0) for name in ("full", "cut")}
+    for x in open_dataset("spec-bench", None).sample(SampleSpec(seed=None, per_category=1, output_len=a.max_tokens)).samples:
+        for name, llm in (("full", full), ("cut", cut)):
+            t = time.perf_counter()
+            o = llm.chat([{"role": "user", "content": x.prompt}], params, use_tqdm=False)[0]
+            row = totals[name]
+            row["seconds"] += time.perf_counter() - t
+            row["tokens"] += len(o.token_ids)
+            row["accepted"] += o.metrics.speculation.accepted
+            row["drafted_steps"] += o.metrics.speculation.steps
+    result = {}
+    for name, row in totals.items():
+        result[name] = dict(row, head_ms=head_ms[name], tok_s=round(row["tokens"] / row["seconds"], 1),
+                            accepted_per_step=round(row["accepted"] / max(row["drafted_steps"], 1), 3))
+        print(name, json.dumps(result[name]), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"command": " ".join(__import__("sys").argv), "rows": a.rows,
+                                      "tokens": a.tokens, "result": result}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
