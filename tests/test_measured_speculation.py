@@ -680,8 +680,8 @@ def test_a_drafter_whose_verified_trees_get_less_than_predicted_is_valued_at_wha
     sp = llm.engine.speculator
     before = {name: sp._worth(name, "r", 4) for name in ("ngram", "suffix", "recycling")}
     for _ in range(200):
-        sp._calibrate("ngram", 2.0, 1)  # predicted 2 accepted nodes, got 1
-        sp._calibrate("suffix", 1.0, 2)  # got more than predicted
+        sp._calibration.record("ngram", 2.0, 1)  # predicted 2 accepted nodes, got 1
+        sp._calibration.record("suffix", 1.0, 2)  # got more than predicted
     assert sp._worth("ngram", "r", 4) == pytest.approx(0.5 * before["ngram"], rel=0.05)
     assert sp._worth("suffix", "r", 4) == pytest.approx(before["suffix"])
     assert sp._worth("recycling", "r", 4) == pytest.approx(before["recycling"])

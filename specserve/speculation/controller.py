@@ -226,6 +226,33 @@ class AcceptanceModel:
             del self._memo[memo]
 
 
+class Calibration:
+    """What each drafter's acceptance values are multiplied by: its verified trees' accepted nodes
+    over what the acceptance model predicted of them (decayed, from a prior of PRIOR predicted and as
+    many accepted), at most 1. Under `auto` a request's tree is the one whose predicted value is
+    highest among the drafters', so the tree verified is the one whose estimate is likeliest too
+    high: on Spec-Bench at batch 1 on the bundled model, ngram's verified trees got 0.78 of the
+    accepted nodes predicted of them, recycling's 0.59, suffix's 1.17 (BENCHMARKS.md, session 18).
+    Only ever a discount: a drafter whose trees fare better than predicted keeps its values (its own
+    estimates, not the choice, set how far it drafts)."""
+
+    PRIOR = 8.0
+    DECAY = 0.99  # each verified tree's weight against the next one's
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, float]] = {}  # drafter -> (accepted, predicted), decayed
+
+    def factor(self, drafter: str) -> float:
+        accepted, predicted = self._seen.get(drafter, (0.0, 0.0))
+        return min(1.0, (accepted + self.PRIOR) / (predicted + self.PRIOR))
+
+    def record(self, drafter: str, predicted: float, accepted: int) -> None:
+        """A verified tree of `drafter`'s: what the acceptance model predicted of its nodes (before
+        `factor`), and how many were accepted."""
+        old_accepted, old_predicted = self._seen.get(drafter, (0.0, 0.0))
+        self._seen[drafter] = (old_accepted * self.DECAY + accepted, old_predicted * self.DECAY + predicted)
+
+
 class ForwardProfile:
     """Forward seconds by number of tokens, from a probe at start: piecewise linear between the
     probed sizes, extended past the largest along the last segment's slope."""

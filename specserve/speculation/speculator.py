@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specserve.speculation.controller import AcceptanceModel, Candidate, Controller, StepShape
+from specserve.speculation.controller import AcceptanceModel, Calibration, Candidate, Controller, StepShape
 from specserve.speculation.drafter import Drafter, DraftRequest, Observation, RequestView
 from specserve.speculation.grammar import extend_forced, prune
 from specserve.speculation.guard import GoodputGuard, Mode
@@ -248,7 +248,7 @@ class Speculator:
         self._step_no = 0
         self._used_at: dict[str, int] = {}  # drafter -> the last step that verified one of its trees
         self._forced = (9.0, 10.0)  # grammar-forced nodes accepted, tried (decayed; a prior of 9 in 10)
-        self._calibration: dict[str, tuple[float, float]] = {}  # drafter -> its verified trees' (accepted, predicted), decayed
+        self._calibration = Calibration()  # each drafter's values discounted by how its verified trees fared
 
     @property
     def enabled(self) -> bool:
@@ -321,32 +321,8 @@ class Speculator:
         """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
         proposes anything times its chain's expected accepted nodes, by measured acceptance."""
         a = self.acceptance
-        return a.proposes(name, request_id) * sum(a.chain_values(name, request_id, nodes)) * self._calibrated(name)
-
-    # A drafter's calibration: a prior of this many tokens predicted and as many accepted, and each
-    # verified tree's weight against the next one's.
-    CALIBRATION_PRIOR = 8.0
-    CALIBRATION_DECAY = 0.99
-
-    def _calibrated(self, name: str) -> float:
-        """What the acceptance model's values of `name`'s nodes are multiplied by: its verified
-        trees' accepted nodes over what the model predicted of them, at most 1. Under `auto` a
-        request's tree is the one whose predicted value is highest among the drafters', so the tree
-        verified is the one whose estimate is likeliest too high: on Spec-Bench at batch 1 on the
-        bundled model, ngram's verified trees got 0.78 of the accepted nodes predicted of them,
-        recycling's 0.59, suffix's 1.17 (BENCHMARKS.md, session 18). Only ever a
-        discount: a drafter whose trees fare better than predicted keeps its values (its own
-        estimates, not the choice, set how far it drafts)."""
-        accepted, predicted = self._calibration.get(name, (0.0, 0.0))
-        prior = self.CALIBRATION_PRIOR
-        return min(1.0, (accepted + prior) / (predicted + prior))
-
-    def _calibrate(self, name: str, predicted: float, accepted: int) -> None:
-        """A verified tree of `name`'s: what the acceptance model predicted of its nodes (before
-        `_calibrated`), and how many were accepted."""
-        old_accepted, old_predicted = self._calibration.get(name, (0.0, 0.0))
-        decay = self.CALIBRATION_DECAY
-        self._calibration[name] = (old_accepted * decay + accepted, old_predicted * decay + predicted)
+        chain = sum(a.chain_values(name, request_id, nodes))
+        return a.proposes(name, request_id) * chain * self._calibration.factor(name)
 
     def _grant(self, offers: list[_Offer], base: StepShape, rows: int) -> None:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
@@ -355,7 +331,7 @@ class Speculator:
         asking_all = sum(self._propose_cost.get(n, 0.0) for n in self._lookups())  # see _run_drafters
         candidates = []
         for o in offers:
-            chance = a.proposes(o.name, o.rid) * self._calibrated(o.name)
+            chance = a.proposes(o.name, o.rid) * self._calibration.factor(o.name)
             values = tuple(chance * v for v in a.chain_values(o.name, o.rid, o.request.budget))
             cost = asking_all if self._asks_all(o.name) else self._propose_cost.get(o.name, 0.0)
             context = o.request.num_computed + 1
@@ -464,7 +440,7 @@ class Speculator:
         of unlikely nodes beat a short tree of likely ones and then cost its rows (on Spec-Bench at
         batch 1 on the bundled model `auto` verified 3.4 nodes a drafted step for 2.11 tokens where
         `suffix` alone verified 2.1 for 2.2; BENCHMARKS.md, session 18)."""
-        f = self._calibrated(name)
+        f = self._calibration.factor(name)
         return sum(max(0.0, f * v - cost) for v in self.acceptance.node_values(name, request_id, tree))
 
     # A lookup drafter whose measured worth for a request is below this share of the best one's is
@@ -485,10 +461,10 @@ class Speculator:
 
     def _values(self, o: _Offer) -> list[float]:
         """The chance each node is accepted: the drafter's nodes by its measured acceptance
-        (`_calibrated`), forced nodes (from `forced_from` on: a chain off the main path's end) by
+        (`Calibration`), forced nodes (from `forced_from` on: a chain off the main path's end) by
         the forced-node rate."""
         first = o.first_forced
-        f = self._calibrated(o.name)
+        f = self._calibration.factor(o.name)
         v = [f * x for x in self.acceptance.node_values(o.name, o.rid, o.tree.truncated(first))] if first else []
         for n in range(first, len(o.tree)):
             parent = o.tree.parents[n]
@@ -529,9 +505,9 @@ class Speculator:
             kept_tokens += k
             attended += k * (o.request.num_computed + 1 + k)
             mine = sum(1 for n in kept if n < o.first_forced)  # kept in index order: the drafter's nodes come first
-            if mine:  # what the acceptance model predicted of the drafter's nodes, before `_calibrated`
-                step.row(index).drafted = _Drafted(o.name, o.request.view, tree.truncated(mine),
-                                                   sum(v[n] for n in kept if n < o.first_forced) / self._calibrated(o.name))
+            if mine:  # what the acceptance model predicted of the drafter's nodes, before `Calibration`
+                raw = sum(v[n] for n in kept if n < o.first_forced) / self._calibration.factor(o.name)
+                step.row(index).drafted = _Drafted(o.name, o.request.view, tree.truncated(mine), raw)
                 step.row(index).others = o.others
             if mine < k:
                 step.row(index).forced = (mine, k - mine, tree.parents[mine])
@@ -664,7 +640,7 @@ class Speculator:
                 rid = d.view.request_id
                 mine = [n for n in r.verdict.accepted if n < len(d.tree)]  # type: ignore[union-attr]  # forced nodes follow
                 a.observe(d.name, rid, d.tree, mine)
-                self._calibrate(d.name, d.predicted, len(mine))
+                self._calibration.record(d.name, d.predicted, len(mine))
                 for name, other in r.others:  # what the trees that lost would have had accepted
                     a.observe(name, rid, *replay(other, r.verdict.tokens))  # type: ignore[union-attr]
                 predicted += d.predicted
