@@ -93,7 +93,8 @@ class ModelRunner:
         or None."""
         input_ids, positions, slots, logit_idx, rows = self._flatten(items)
         attn = PlannedAttention(self.attention, self.attention.plan(self._attention_batch(items, slots), self.device))
-        every = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)
+        with self.attention.kernels():
+            every = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)
         hidden = every[logit_idx]
         if not all_hidden:
             return ForwardOutput(self.model.compute_logits(hidden), hidden, rows)

@@ -11,6 +11,7 @@ kernel runs which item.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def plan(self, batch: AttentionBatch, device: torch.device) -> Any:
         """This backend's metadata for `batch`, built once and reused by every layer."""
+
+    def kernels(self) -> AbstractContextManager[object]:
+        """The context every layer's `forward` of one model forward runs in (the runner enters it
+        once a forward): a choice among torch's kernels the backend relies on; none by default."""
+        return nullcontext()
 
     def native_metadata(self, meta: Any) -> Any | None:
         """The metadata for csrc/decoder.c's native layer loop, when this backend and this step
