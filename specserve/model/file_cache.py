@@ -45,14 +45,23 @@ def entry_dir(kind: str, path: Path, salt: str) -> Path:
 
 
 def _size(entry: Path) -> int:
-    return sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+    total = 0
+    for f in entry.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:  # deleted meanwhile by another process pruning the same cache
+            pass
+    return total
 
 
 def mark_used(entry: Path, keep: int, max_bytes: int | None = None) -> None:
     """Record that `entry` was used now; delete its kind's other entries beyond the `keep` most
     recently used (and beyond `max_bytes` with this one counted), and half-written ones abandoned
     long ago."""
-    os.utime(entry)
+    try:
+        os.utime(entry)
+    except OSError:  # another process pruned it meanwhile; what this one loaded stays readable
+        return
     now = time.time()
     done: list[tuple[float, Path]] = []
     for other in entry.parent.iterdir():
