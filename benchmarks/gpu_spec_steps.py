@@ -33,7 +33,6 @@ class Timed:
         self.name, self.llm, self.sync = name, llm, sync
         self.cur: dict[str, Any] = {}
         self.rec: list[tuple[float, float, int, int]] = []
-        self.profile_plain: Any = None  # a callable taking (step function) while a profile is wanted
         core = llm.engine.core
         self._execute, self._step = core.runner.execute, llm.engine.step
         core.runner.execute = self._timed_execute

@@ -159,7 +159,7 @@ def valid_json(case: dict, text: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-bin", type=Path, default=Path("."), help="directory holding llama-server")
+    ap.add_argument("--llama-bin", type=Path, default=None, help="directory holding llama-server (with --llama)")
     ap.add_argument("--llama", action="append", default=[], metavar="NAME=ARGS", help="a llama-server configuration")
     ap.add_argument("--specserve", action="append", default=[], metavar="NAME=ARGS",
                     help="a `specserve serve` configuration")
@@ -185,6 +185,8 @@ def main() -> None:
             plot_by_category(a.plot, earlier["rows"], f"{earlier['workload']}, batch 1, {earlier['max_tokens']} tokens, "
                              f"{earlier['threads']} threads")
         return
+    if a.llama and a.llama_bin is None:
+        ap.error("--llama needs --llama-bin, the directory holding llama-server")
     gguf = str(Path(a.gguf).expanduser()) if a.gguf else str(find_bundled_gguf("smollm2-135m"))
     configs: list[Config] = []
     for spec in a.llama:
