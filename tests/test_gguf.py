@@ -388,9 +388,53 @@ def test_greedy_speculation_on_packed_q4k_is_plain_decoding(files: dict[str, Pat
     spec: dict = dict(method=method, num_tokens=4, controller="fixed")
     if method == "draft-model":
         spec["draft_model"] = str(files["qwen2"])  # the same model: every draft accepted, 5 rows verified a step
+        spec["draft_quantization"] = "file"  # (not rounded to Q4_0: then it would be another model)
     llm = shuffle_grants(LLM(str(files["qwen2"]), speculative=spec, max_num_batched_tokens=24), seed=3)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.engine.draft_totals.proposed > 0
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_1, Q.Q4_K, Q.Q4_0])
+def test_a_draft_models_wider_projections_are_its_numbers_rounded_to_q4_0(qtype: Q) -> None:
+    """A tensor stored in more bits a weight than Q4_0 (Q8_0, Q6_K, Q4_1, and Q5_0 as the Q8_0 it
+    converts to) becomes exactly gguf-py's Q4_0 rounding of its numbers; one stored in as few (Q4_K,
+    Q4_0) stays the file's own blocks, not a copy."""
+    from gguf.quants import quantize
+
+    from specserve.model.gguf_model import requantize_q4_0
+
+    rows, cols = 48, 512
+    blocks = torch.from_numpy(random_blocks(qtype, rows, cols, np.random.default_rng(3)))
+    out, type_id = requantize_q4_0(blocks, int(qtype), cols)
+    if qtype in (Q.Q4_K, Q.Q4_0):
+        assert out is blocks and type_id == int(qtype)
+        return
+    expected = quantize(dequantize(blocks.numpy(), qtype).reshape(rows, cols), Q.Q4_0)
+    assert type_id == int(Q.Q4_0) and np.array_equal(out.numpy(), expected)
+
+
+def test_a_gguf_draft_model_runs_on_q4_0_blocks_and_decodes_as_plain(files: dict[str, Path]) -> None:
+    """The draft model (Q5_0, Q6_K and Q4_K tensors) runs every projection on Q4_0 or Q4_K blocks by
+    default (a draft token reads fewer bytes), on the file's types with draft_quantization="file";
+    the target keeps its own either way, and the output is plain decoding's."""
+    prompts = random_prompts(4, seed=9, vocab=259)
+    plain = [o.token_ids for o in LLM(str(files["qwen2"])).generate(prompts, GREEDY, use_tqdm=False)]
+
+    def kinds(model: torch.nn.Module) -> set[str]:
+        out = set()
+        for m in model.modules():
+            for t in getattr(getattr(m, "kernel", None), "types", []):
+                out.add(Q(ops.PACKED_BY_ID[t].source if t in ops.PACKED_BY_ID else t).name)
+        return out
+
+    for setting, expected in (("q4_0", {"Q4_0", "Q4_K"}), ("file", {"Q8_0", "Q6_K", "Q4_K"})):
+        llm = LLM(str(files["qwen2"]), speculative=dict(method="draft-model", num_tokens=3, controller="fixed",
+                                                        draft_model=str(files["qwen2-q5_0"]),
+                                                        draft_quantization=setting))
+        drafter = llm.engine.speculator.drafters["draft-model"]
+        assert kinds(drafter.forward.__self__.model) == expected
+        assert kinds(llm.engine.model) == {"Q4_K", "Q6_K"}
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
 
 
 def test_a_truncated_file_names_the_file_and_the_tensor(files: dict[str, Path], tmp_path: Path) -> None:

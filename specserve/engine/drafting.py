@@ -32,8 +32,9 @@ from specserve.speculation.verifier import Verifier
 
 logger = logging.getLogger("specserve.engine")
 
-# Loads a draft model by name for a target context length: (model, tokenizer).
-DraftBuilder = Callable[[str, int], "tuple[LlamaForCausalLM, Any]"]
+# Loads a draft model by name for a target context length and a draft quantization (a GGUF's
+# projections as stored, or rounded to 4 bits: SpeculativeConfig.draft_quantization): (model, tokenizer).
+DraftBuilder = Callable[[str, int, str], "tuple[LlamaForCausalLM, Any]"]
 
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -148,7 +149,7 @@ def _draft_model(spec: SpeculativeConfig, config: EngineConfig, draft_builder: D
     device = torch.device(config.device)
     # The draft sees the same positions as the target: its RoPE table must cover the target's context
     # (build_model names max_model_len if the draft model cannot).
-    model, tokenizer = draft_builder(spec.draft_model, config.max_model_len)
+    model, tokenizer = draft_builder(spec.draft_model, config.max_model_len, spec.draft_quantization)
     bs = config.cache.block_size
     kv_dtype = config.cache.dtype or config.dtype
     num_blocks = max(16, config.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, kv_dtype))

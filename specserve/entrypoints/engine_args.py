@@ -14,7 +14,7 @@ from specserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from specserve.model.attention import ATTENTION_BACKENDS
 from specserve.model.loader import DEFAULT_MODEL, LOAD_FORMATS
 from specserve.model.quant import QUANTIZATIONS
-from specserve.speculation.config import CONTROLLERS, SPEC_METHODS, SpeculativeConfig
+from specserve.speculation.config import CONTROLLERS, DRAFT_QUANTIZATIONS, SPEC_METHODS, SpeculativeConfig
 
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 
@@ -142,6 +142,9 @@ class EngineArgs:
                             "(0 included); fixed: always K")
         s.add_argument("--spec-width", type=int, default=spec.width, help="tree width where the drafter has one")
         s.add_argument("--draft-model", default=spec.draft_model, help="model for --spec draft-model (same tokenizer)")
+        s.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=spec.draft_quantization,
+                       help="a GGUF draft model's projections: q4_0 (those stored in more bits rounded to Q4_0 at "
+                            "load: cheaper draft tokens, output unchanged) or file (as stored)")
         s.add_argument("--draft-layers", type=int, default=spec.draft_layers, help="layers for --spec layer-skip")
         s.add_argument("--draft-stop-below", type=float, default=spec.draft_stop_below,
                        help="model drafters stop a chain when their pick's probability is below this")
@@ -167,6 +170,7 @@ class EngineArgs:
             seed=a.engine_seed, threads=a.threads,
             speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
                                           width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
+                                          draft_quantization=a.draft_quantization,
                                           draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo,
                                           latency_slack=a.spec_latency_slack, pace_slack=a.spec_pace_slack),
         )

@@ -36,15 +36,16 @@ logger = logging.getLogger("specserve")
 
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
-    quantization: str = "none",
+    quantization: str = "none", gguf_q4_0: bool = False,
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
-    for `quantization` (auto: as the weights were shipped); returns (model, tokenizer or None,
+    for `quantization` (auto: as the weights were shipped; `gguf_q4_0`: a GGUF run on its own
+    blocks has its wider projections rounded to Q4_0, for a draft model); returns (model, tokenizer or None,
     max_model_len, the precision the weights run in)."""
     if load_format != "dummy":
         gguf_path = gguf_behind(model, load_format)
         if resolve_quantization(quantization, gguf_path, device) == "gguf":
-            return _build_gguf_model(gguf_path, dtype, max_model_len)  # type: ignore[arg-type]
+            return _build_gguf_model(gguf_path, dtype, max_model_len, gguf_q4_0)  # type: ignore[arg-type]
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = _check_limit(max_model_len, cfg)
@@ -85,8 +86,10 @@ def _check_limit(max_model_len: int | None, cfg: Any) -> int:
     return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
-def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None) -> tuple[LlamaForCausalLM, Any, int, str]:
-    """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU."""
+def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
+                      q4_0: bool = False) -> tuple[LlamaForCausalLM, Any, int, str]:
+    """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU;
+    `q4_0`: its wider projections rounded to Q4_0 (a draft model's)."""
     if dtype != torch.float32:
         raise InvalidRequestError("dtype", f"the GGUF kernels take float32 activations, not {dtype}; "
                                            "use --dtype float32 or --quantization none")
@@ -101,7 +104,7 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None)
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_positions=limit)
     tuner = KernelTuner(torch.device("cpu"))
-    chosen = install_gguf_weights(net, g, cfg, tuner.choose)
+    chosen = install_gguf_weights(net, g, cfg, tuner.choose, q4_0)
     prefetch = tuner.choose_prefetch(net)
     net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors(g))
     net.eval()
@@ -182,11 +185,12 @@ class LLM:
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "model"}
         return cls(args.model, **options)
 
-    def _build_draft(self, name: str, max_model_len: int) -> tuple[LlamaForCausalLM, Any]:
-        """A draft model for the draft-model drafter, loaded like the target (same precision rule)."""
+    def _build_draft(self, name: str, max_model_len: int, quantization: str) -> tuple[LlamaForCausalLM, Any]:
+        """A draft model for the draft-model drafter, loaded like the target (same precision rule; a
+        GGUF run on its own blocks as `quantization` says: SpeculativeConfig.draft_quantization)."""
         a = self.args
         model, tokenizer, _, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
-                                             a.quantization)
+                                             a.quantization, gguf_q4_0=quantization == "q4_0")
         return model, tokenizer
 
     @property

@@ -24,12 +24,15 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.model.file_cache import entry_dir, mark_used
-from specserve.model.gguf_file import CONVERTED, QUANTIZED, GGUFError, GGUFFile, StringArray
+from specserve.model.gguf_file import CONVERTED, GGML_TYPES, QUANTIZED, GGUFError, GGUFFile, StringArray
 from specserve.model.quant import KernelFactory, gguf_candidates
 
 logger = logging.getLogger("specserve.model")
 
 ARCHITECTURES = ("llama", "qwen2")
+
+_Q4_0 = 2  # ggml's type id
+_REQUANTIZE_ROWS = 8192  # rows dequantized at a time (a 151k x 896 head is 545 MB as float32)
 
 Chooser = Callable[[str, tuple[int, int], torch.dtype, dict[str, KernelFactory]], tuple[str, nn.Module]]
 
@@ -144,10 +147,29 @@ _PARTS = {
 }
 
 
-def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: Chooser) -> dict[str, str]:
+def requantize_q4_0(blocks: torch.Tensor, type_id: int, cols: int) -> tuple[torch.Tensor, int]:
+    """A tensor's blocks rounded to Q4_0 (ggml's rule: a scale per 32 weights, as gguf-py computes it)
+    where its type stores more bits a weight than Q4_0 does; as they are otherwise."""
+    import gguf
+
+    _, elems, size = GGML_TYPES[type_id]
+    if size * 8 <= 4.5 * elems or cols % 32:
+        return blocks, type_id
+    out = []
+    for r0 in range(0, blocks.shape[0], _REQUANTIZE_ROWS):
+        w = torch.ops.specserve.gguf_dequantize(blocks[r0:r0 + _REQUANTIZE_ROWS], type_id, cols)
+        out.append(torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0)))
+    return torch.cat(out), _Q4_0
+
+
+def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: Chooser,
+                         q4_0: bool = False) -> dict[str, str]:
     """Give `net` (built on the meta device) the file's weights: norms and biases copied out as
     float32, the embedding and every projection over the mapped blocks, each projection's compiled
-    variant chosen by `choose`. Returns {module name: kernel name}."""
+    variant chosen by `choose`. With `q4_0` (for a draft model, which need not be exact: the target
+    verifies every token it proposes), projections stored in more bits a weight than Q4_0's 4.5
+    (Q5_0, Q6_K, Q8_0, ...) are rounded to Q4_0 blocks at load, so a token reads fewer bytes; the
+    embedding is looked up, not streamed, and stays as stored. Returns {module name: kernel name}."""
     from specserve.model import ops
 
     ops.load()
@@ -177,7 +199,11 @@ def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: 
 
     def install(module: nn.Module, name: str, tensors: list[str], bias: torch.Tensor | None) -> None:
         parts, types = zip(*(blocks(t) for t in tensors))
-        what = "gguf:" + "+".join(g.tensor(t).type_name for t in tensors)
+        names = [g.tensor(t).type_name for t in tensors]
+        if q4_0:
+            parts, types = zip(*(requantize_q4_0(p, ty, g.tensor(t).cols) for p, ty, t in zip(parts, types, tensors)))
+            names = [GGML_TYPES[ty][0] if ty == _Q4_0 else n for n, ty in zip(names, types)]
+        what = "gguf:" + "+".join(names)
         shape = (sum(p.shape[0] for p in parts), g.tensor(tensors[0]).cols)
         views = {i for i, (t, part) in enumerate(zip(tensors, parts)) if part.data_ptr() == g.data(t).data_ptr()}
 

@@ -8,6 +8,9 @@ SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "
 # What `auto` chooses among, per request: the drafters that cost a lookup, not a forward.
 AUTO_METHODS = ("suffix", "ngram", "recycling")
 CONTROLLERS = ("goodput", "fixed")
+# How a GGUF draft model run on its own blocks keeps its projections: rounded to Q4_0 where stored
+# in more bits, or as stored (SpeculativeConfig.draft_quantization).
+DRAFT_QUANTIZATIONS = ("q4_0", "file")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,9 @@ class SpeculativeConfig:
         other drafters choose their own tree shapes (recycling, suffix) or draft chains (models)
     draft_model: model for `draft-model` (alias, .gguf or HF directory); must share the tokenizer;
         for `eagle`, the head's directory (None: the head shipped for the model, if there is one)
+    draft_quantization: for a GGUF draft model run on its own blocks, q4_0 (projections stored in
+        more bits, such as the Q5_0, Q6_K and Q8_0 of a small model's Q4_K_M file, rounded to Q4_0 at
+        load: a draft token reads fewer bytes; verification keeps the output exact) | file (as stored)
     draft_layers: how many of the target's first layers `layer-skip` drafts with (None: the
         measured default for the model, else half the layers)
     latency_slo_ms: with the goodput controller, the inter-token latency (ms) speculation may take
@@ -47,6 +53,7 @@ class SpeculativeConfig:
     width: int = 1
     draft_model: str | None = None
     draft_layers: int | None = None
+    draft_quantization: str = "q4_0"
     draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
     latency_slo_ms: float | None = None
     latency_slack: float | None = None
@@ -65,6 +72,9 @@ class SpeculativeConfig:
             raise ValueError(f"spec_width: must be >= 1, got {self.width}")
         if "draft-model" in self.methods and not self.draft_model:
             raise ValueError("draft_model: --spec draft-model needs --draft-model PATH")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft_quantization: must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
+                             f"got {self.draft_quantization!r}")
         if not 0.0 <= self.draft_stop_below < 1.0:
             raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
         if self.width > 1 and "ngram" not in self.drafters:
