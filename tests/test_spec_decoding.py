@@ -450,3 +450,29 @@ def test_greedy_speculation_with_a_logit_bias_matches_plain(tiny_llama: Path, pl
     llm = shuffle_grants(LLM(str(tiny_llama), speculative=dict(method=method, num_tokens=4)), seed=3)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     assert llm.engine.draft_totals.proposed > 0
+
+
+def test_a_draft_model_far_behind_catches_up_apart_and_drafts_the_same(tiny_llama: Path, draft_dir: Path) -> None:
+    """A request more tokens behind than a drafting step feeds (its prompt, or the steps decoded
+    plainly since it last drafted) is fed to the draft model in a forward of its own, timed apart
+    (`catch_up_seconds`, which the speculator does not count as the drafts' cost): the drafts are
+    those of feeding it all in the first draft forward."""
+    prompts = random_prompts(3, seed=26, low=30, high=40)
+    seen: dict[int, list] = {}
+    for catch_up in (8, 10**9):
+        llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, controller="fixed",
+                                                    draft_model=str(draft_dir)))
+        drafter = llm.engine.speculator.drafters["draft-model"]
+        drafter.CATCH_UP = catch_up
+        propose, log = drafter.propose, seen.setdefault(catch_up, [])
+
+        def spy(requests, propose=propose, log=log, drafter=drafter):  # type: ignore[no-untyped-def]
+            trees = propose(requests)
+            log.append(([t.tokens for t in trees], drafter.catch_up_seconds))
+            return trees
+
+        drafter.propose = spy
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [t for t, _ in seen[8]] == [t for t, _ in seen[10**9]]
+    assert seen[8][0][1] > 0 and all(s == 0 for _, s in seen[10**9])
+    assert sum(1 for _, s in seen[8] if s > 0) < len(seen[8])  # only the first step of each is behind here

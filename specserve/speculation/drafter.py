@@ -67,6 +67,11 @@ class Drafter(ABC):
     runs_a_model: bool = False
     #: whether `features` should get the target's hidden states of committed tokens
     wants_hidden: bool = False
+    #: seconds of the last `propose` spent catching up on tokens the drafter had not seen for more
+    #: than a step (a draft model fed a prompt, or the steps decoded plainly since it last drafted):
+    #: what keeping it in step costs, not what its drafts cost (the speculator does not count it
+    #: against them)
+    catch_up_seconds: float = 0.0
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:

@@ -199,6 +199,7 @@ class _Step:
     predicted_seconds: float | None = None
     plain_seconds: float | None = None  # the step's predicted time without drafts (the pace's yardstick)
     propose_seconds: float = 0.0
+    catch_up_seconds: float = 0.0  # of propose_seconds, a model drafter's catching up (Drafter.catch_up_seconds)
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
     guard: tuple[tuple[int, int], dict[str, Mode]] | None = None  # on decode-only steps: the shape, the guard's say per drafter
     probing: frozenset[str] = frozenset()  # the drafters the guard probes this step (asked first)
@@ -401,10 +402,12 @@ class Speculator:
                 continue
             seconds = time.perf_counter() - start
             self._step.propose_seconds += seconds
+            catch_up = min(drafter.catch_up_seconds, seconds)
+            self._step.catch_up_seconds += catch_up
             self._failures = 0
             units = max(o.grant for o in group) if drafter.runs_a_model else len(group)
             old = self._propose_cost.get(name)
-            per = seconds / units
+            per = (seconds - catch_up) / units
             self._propose_cost[name] = per if old is None else 0.8 * old + 0.2 * per
             for o, tree in zip(group, proposed):
                 tree = tree.truncated(o.grant)
@@ -688,7 +691,10 @@ class Speculator:
             forced_only = not drafted_by and any(r.forced is not None for r in step.rows.values())  # a grammar's
             done = [r for r in step.rows.values() if r.ok]
             tokens = self._valued_tokens(step, done, rates)
-            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds, tokens, len(done),
+            # A draft model catching up after plain steps is not what its drafts cost: judged with
+            # it, the probe that turns drafting back on looks slow (Drafter.catch_up_seconds).
+            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds - step.catch_up_seconds,
+                                   tokens, len(done),
                                    judged=not forced_only, expected=step.plain_seconds)
         sums = self._sums
         sums["steps"] += 1

@@ -52,6 +52,11 @@ class HybridDrafter(Drafter):
             raise ValueError("spec: a hybrid drafter needs at least one drafter")
         self.drafters = drafters
         self.target_topk = max(d.target_topk for d in drafters)
+        self.runs_a_model = any(d.runs_a_model for d in drafters)
+
+    @property  # type: ignore[override]
+    def catch_up_seconds(self) -> float:
+        return sum(d.catch_up_seconds for d in self.drafters)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         per_drafter = [d.propose(requests) for d in self.drafters]

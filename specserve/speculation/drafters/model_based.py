@@ -8,8 +8,10 @@ target uses and return it, so verification can stay lossless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+
+import time
 
 import torch
 
@@ -136,8 +138,14 @@ class DraftModelDrafter(_ChainDrafter):
 
     Each request keeps a draft-side sequence; before drafting, the draft model catches up on the
     tokens committed since its last step (its K/V for rejected drafts is simply overwritten),
-    batched across requests, then drafts the chain.
+    batched across requests, then drafts the chain. A request more than CATCH_UP tokens behind (its
+    prompt, or the steps decoded plainly since it last drafted) catches up in a forward of its own,
+    whose time is `catch_up_seconds`: what keeping the draft in step costs, paid once, not what
+    the drafts cost (counted as theirs, a probe after 64 plain steps cost three times a drafted
+    step, and the guard kept the draft off: 168 of 4,281 steps drafted on Spec-Bench, 0.93x plain).
     """
+
+    CATCH_UP = 8
 
     def __init__(
         self, forward: Forward, kv: PagedKV, generator: torch.Generator, stop_below: float = 0.0
@@ -162,12 +170,28 @@ class DraftModelDrafter(_ChainDrafter):
             chains.append(_Chain(r))
             first.append(ForwardItem(list(table), side.num_computed, side.tokens[side.num_computed:]))
             starts.append(len(side.tokens) - 1)
+        self._catch_up(chains, first)
         trees = iter(self._draft(chains, first, starts) if chains else [])
         for c in chains:  # the draft has K/V for everything fed: committed tokens and chain[:-1]
             side = self._sides[c.request.view.request_id]
             side.tokens = list(c.request.view.token_ids) + c.tokens[:-1]
             side.num_computed = len(side.tokens)
         return [next(trees) if good else EMPTY_TREE for good in ok]
+
+    def _catch_up(self, chains: list[_Chain], first: list[ForwardItem]) -> None:
+        """Feed the requests far behind all but their last token in a forward of its own (no
+        logits), timed into `catch_up_seconds`; their first draft forward then feeds one token."""
+        self.catch_up_seconds = 0.0
+        behind = [i for i, item in enumerate(first) if len(item.tokens) > self.CATCH_UP]
+        if not behind:
+            return
+        start = time.perf_counter()
+        self.forward([replace(first[i], tokens=first[i].tokens[:-1], logits="none") for i in behind])
+        for i in behind:
+            item = first[i]
+            first[i] = replace(item, start=item.start + len(item.tokens) - 1, tokens=item.tokens[-1:])
+            self._sides[chains[i].request.view.request_id].num_computed = first[i].start
+        self.catch_up_seconds = time.perf_counter() - start
 
     def _table(self, request: DraftRequest) -> list[int]:
         return self._sides[request.view.request_id].block_table
