@@ -76,11 +76,12 @@ class GuardConfig:
     share_decay: float = 0.95  # weight of the old share of drafted steps among steps with drafting on, per step
     probe_after: int = 16  # steps off before the first probe
     probe_max: int = 512  # the longest wait between probes
+    probe_steps: int = 1  # drafted steps a probe lasts before it is judged (on their average)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
-        for name in ("min_steps", "control_every", "control_close", "probe_after", "probe_max"):
+        for name in ("min_steps", "control_every", "control_close", "probe_after", "probe_max", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
         if self.close < 0:
@@ -114,6 +115,7 @@ class _Bucket:
     last_plain: int = -(1 << 30)  # step number of the last plain step measured here
     wait: int = 0  # steps between probes now
     next_probe: int = 0
+    probed: int = 0  # drafted steps of the probe under way
     on_since: int = 0  # drafted steps since the bucket last turned on
     requests: frozenset[str] = frozenset()  # the requests of the bucket's latest step
     off_for: frozenset[str] = frozenset()  # the requests drafts lost with when it last turned off
@@ -208,7 +210,7 @@ class GoodputGuard:
             # to probe_max steps), so a probe comes soon, and the waits start short again
             b.wait, b.next_probe, b.off_for = 0, min(b.next_probe, step_no + 1), frozenset()
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
-            return Mode.PROBE if step_no >= b.next_probe and b.plain.steps else Mode.PLAIN
+            return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
         if b.plain.steps == 0 or (b.seconds.steps and since >= self.config.control_close and since >= self._control_every(b)):
             return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
@@ -275,11 +277,17 @@ class GoodputGuard:
             return
         if b.plain.steps == 0:
             return
-        b.seconds.add(seconds, c.decay)
-        b.tokens.add(tokens, c.decay)
-        b.rows.add(rows, c.decay)
+        # a probe's steps count alike (their mean: the probe started its averages afresh)
+        decay = b.probed / (b.probed + 1) if mode is Mode.PROBE else c.decay
+        b.seconds.add(seconds, decay)
+        b.tokens.add(tokens, decay)
+        b.rows.add(rows, decay)
         b.drafted_n, b.asked_n = c.share_decay * b.drafted_n + 1.0, c.share_decay * b.asked_n
         if mode is Mode.PROBE:
+            b.probed += 1
+            if b.probed < c.probe_steps:
+                return  # the probe goes on
+            b.probed = 0
             if b.pays(1.0):
                 b.off, b.on_since = False, 0
                 self._count(turned_on=1, buckets_off=-1)
@@ -348,6 +356,7 @@ class GoodputGuard:
         c = self.config
         b.wait = min(max(b.wait * 2, c.probe_after), c.probe_max)
         b.next_probe = step_no + b.wait
+        b.probed = 0
         b.off_for = b.requests
         b.seconds, b.tokens, b.rows = _Average(), _Average(), _Average()  # judged afresh by the next probe
         b.asked_seconds, b.asked_tokens, b.drafted_n, b.asked_n = _Average(), _Average(), 0.0, 0.0
