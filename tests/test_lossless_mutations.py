@@ -35,8 +35,8 @@ def checks(small_vocab: tuple[Path, Path], tiny_vocab_compiler: GrammarCompiler)
     target, draft = small_vocab
 
     def free(case: str) -> Check:
-        method, k, width, params = SAMPLING_CASES[case]
-        return lambda: chi2_pvalue(sample_counts(target, _spec(method, k, width, draft), params, 3000)[0],
+        method, k, width, params, *stop = SAMPLING_CASES[case]
+        return lambda: chi2_pvalue(sample_counts(target, _spec(method, k, width, draft, *stop), params, 3000)[0],
                                    exact_distribution(target, params), 3000)
 
     def constrained(case: str) -> Check:

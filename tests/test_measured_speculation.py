@@ -61,6 +61,29 @@ def test_a_probe_that_pays_turns_drafting_back_on() -> None:
     assert guard.stats().turned_on == 1 and guard.stats().buckets_off == 0
 
 
+def test_a_probe_lasts_probe_steps_and_is_judged_on_their_average() -> None:
+    """With probe_steps 3 (the guard where a drafter runs a model, whose drafted steps vary more) a
+    probe is three drafted steps in a row, judged together: one that loses badly and two that pay
+    well turn drafting back on, where a one-step probe of the same first step keeps it off."""
+    for probe_steps, back_on in ((3, True), (1, False)):
+        guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_steps=probe_steps))
+        run(guard, 30, 0, plain_spt=0.010, drafted_spt=0.012)  # off
+        probes: list[int] = []
+        for n in range(30, 400):
+            mode = guard.modes(KEY, ["d"], n)["d"]
+            if mode is Mode.PROBE:
+                spt = 0.020 if not probes else 0.005  # the first probe step loses, the others pay
+                guard.record_step(KEY, {"d": mode}, n, {"d"}, 12 * spt, 12, 8)
+                probes.append(n)
+                if len(probes) == probe_steps:
+                    break
+            else:
+                guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.010, 8, 8)
+        assert probes == list(range(probes[0], probes[0] + probe_steps))  # one step after another
+        assert (guard.stats().turned_on == 1) is back_on
+        assert (guard.modes(KEY, ["d"], n)["d"] is Mode.DRAFT) is back_on
+
+
 def test_a_shape_switched_off_is_probed_again_soon_once_the_requests_it_lost_with_have_left() -> None:
     """The waits between probes grow while the same requests keep losing; when every one of them has
     left (at batch 1: the next request), the loss says nothing of the new ones: a probe comes at
@@ -733,3 +756,35 @@ def test_a_model_drafters_catching_up_is_not_held_against_its_drafts(tiny_llama:
     steps = counted_steps(llm)
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
     assert steps[0] <= 0.5 * 64, f"{steps[0]} steps"
+
+
+def test_auto_with_a_draft_model_copies_where_a_lookup_has_the_text(tiny_llama: Path) -> None:
+    """`auto` given a draft model drafts with it beside the lookups; the lookups are asked first, and
+    where one proposes text worth more than the model's chain is expected to be (net of what its
+    forwards cost), the model is not run for the request: with a lookup that always has the
+    continuation, the draft model (the target itself: every draft accepted), chosen for every
+    request, is not run (run regardless: 14 times in 12 steps). Outputs are plain decoding's."""
+    prompts = random_prompts(2, seed=49)
+    greedy = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)]
+    # the target drafting for itself: every draft accepted, the model's chain worth running
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto", draft_model=str(tiny_llama)), max_num_seqs=2)
+    speculator = llm.engine.speculator
+    assert set(speculator.drafters) == {"suffix", "ngram", "recycling", "draft-model"}
+    model = speculator.drafters["draft-model"]
+    speculator.guard = None  # the clock's word aside: what is asked and run is the point here
+    speculator._choose = lambda request: "draft-model"  # type: ignore[method-assign]  # the model, chosen for each
+    speculator.drafters.update(suffix=Oracle({tuple(p): o for p, o in zip(prompts, plain)}), ngram=Silent(),
+                               recycling=Silent())
+    ran = [0]
+    propose = model.propose
+
+    def counted(requests):  # type: ignore[no-untyped-def]
+        ran[0] += len(requests)
+        return propose(requests)
+
+    model.propose = counted
+    steps = counted_steps(llm)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    assert steps[0] < 0.5 * 96
+    assert ran[0] <= 0.25 * 2 * steps[0], f"the model drafted {ran[0]} times in {steps[0]} steps"

@@ -4,6 +4,7 @@ would, and no KV block leaks."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -216,6 +217,9 @@ SAMPLING_CASES = {
     "tree-ngram-t1": ("ngram", 4, 3, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)),
     "tree-recycling-top-p": ("recycling", 4, 1,
                              SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, ignore_eos=True)),
+    # chains that end where the draft's confidence in its own (sampled) pick is low
+    "chain-draft-model-stopping": ("draft-model", 4, 1, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
+                                   0.3),
     "chain-draft-model-logit-bias": ("draft-model", 3, 1, SamplingParams(
         max_tokens=6, temperature=1.0, ignore_eos=True, logit_bias={0: 1.5, 2: -1.0})),
     "tree-ngram-logit-bias": ("ngram", 4, 3, SamplingParams(
@@ -223,8 +227,8 @@ SAMPLING_CASES = {
 }
 
 
-def _spec(method: str, k: int, width: int, draft: Path) -> dict:
-    spec: dict = dict(method=method, num_tokens=k, width=width, controller="fixed")
+def _spec(method: str, k: int, width: int, draft: Path, stop_below: float = 0.0) -> dict:
+    spec: dict = dict(method=method, num_tokens=k, width=width, controller="fixed", draft_stop_below=stop_below)
     if method == "draft-model":
         spec["draft_model"] = str(draft)
     if method == "layer-skip":
@@ -235,9 +239,9 @@ def _spec(method: str, k: int, width: int, draft: Path) -> dict:
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
 def test_speculative_sampling_matches_exact_distribution(small_vocab: tuple[Path, Path], case: str) -> None:
     target, draft = small_vocab
-    method, k, width, params = SAMPLING_CASES[case]
+    method, k, width, params, *stop = SAMPLING_CASES[case]
     n = 3000
-    counts, llm = sample_counts(target, _spec(method, k, width, draft), params, n)
+    counts, llm = sample_counts(target, _spec(method, k, width, draft, *stop), params, n)
     totals = llm.engine.draft_totals
     assert totals.proposed > 0 and 0 < totals.accepted < totals.proposed, "needs both accepts and rejections"
     assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
@@ -476,3 +480,31 @@ def test_a_draft_model_far_behind_catches_up_apart_and_drafts_the_same(tiny_llam
     assert [t for t, _ in seen[8]] == [t for t, _ in seen[10**9]]
     assert seen[8][0][1] > 0 and all(s == 0 for _, s in seen[10**9])
     assert sum(1 for _, s in seen[8] if s > 0) < len(seen[8])  # only the first step of each is behind here
+
+
+def test_a_model_drafters_chain_ends_where_its_confidence_falls_below_min_value(tiny_llama: Path,
+                                                                               draft_dir: Path) -> None:
+    """Given a request's `min_value`, a draft model's chain goes on while the product of its own
+    picks' probabilities (the node scores) stays at or above it, and ends at the first node where it
+    falls below (or at the budget); the output is plain decoding's."""
+    prompts = random_prompts(4, seed=27)
+    llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=6, controller="fixed",
+                                                draft_model=str(draft_dir)))
+    drafter = llm.engine.speculator.drafters["draft-model"]
+    propose, trees = drafter.propose, []
+
+    def at_min_value(requests):  # type: ignore[no-untyped-def]
+        out = propose([dataclasses.replace(r, min_value=0.02) for r in requests])
+        trees.extend(zip(requests, out))
+        return out
+
+    drafter.propose = at_min_value
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, GREEDY, use_tqdm=False)]
+    lengths = set()
+    for request, tree in trees:
+        reach = list(itertools.accumulate(tree.scores, lambda a, b: a * b))
+        assert all(r >= 0.02 for r in reach[:-1])
+        assert len(tree) == request.budget or reach[-1] < 0.02
+        lengths.add(len(tree))
+    assert len(lengths) > 2  # chains of several lengths: the rule was exercised

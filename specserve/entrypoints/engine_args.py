@@ -141,7 +141,7 @@ class EngineArgs:
                        help="goodput: per step and request, as many draft tokens as pay for their measured cost "
                             "(0 included); fixed: always K")
         s.add_argument("--spec-width", type=int, default=spec.width, help="tree width where the drafter has one")
-        s.add_argument("--draft-model", default=spec.draft_model, help="model for --spec draft-model (same tokenizer)")
+        s.add_argument("--draft-model", default=spec.draft_model, help="model for --spec draft-model (same tokenizer); with --spec auto it drafts beside the lookups")
         s.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=spec.draft_quantization,
                        help="a GGUF draft model's projections: q4_0 (those stored in more bits rounded to Q4_0 at "
                             "load: cheaper draft tokens, output unchanged) or file (as stored)")

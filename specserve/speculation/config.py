@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "layer-skip", "eagle")
-# What `auto` chooses among, per request: the drafters that cost a lookup, not a forward.
+# What `auto` chooses among, per request: the drafters that cost a lookup, not a forward (and the
+# draft model, where one is given: `SpeculativeConfig.drafters`).
 AUTO_METHODS = ("suffix", "ngram", "recycling")
 CONTROLLERS = ("goodput", "fixed")
 # How a GGUF draft model run on its own blocks keeps its projections: rounded to Q4_0 where stored
@@ -19,8 +20,9 @@ class SpeculativeConfig:
 
     method: none | auto | ngram | suffix | recycling | draft-model | layer-skip | eagle, or several joined
         by "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first. `auto`
-        keeps suffix, ngram and recycling side by side and drafts each request with the one
-        whose measured acceptance pays best for it.
+        keeps suffix, ngram and recycling (and the draft model, given draft_model) side by side and
+        drafts each request with the one whose measured acceptance pays best for it; the lookups
+        are asked first, and the model is not run where one of them proposes text worth more.
     num_tokens: the most draft tokens (tree nodes) a decoding request may get per step (K);
         0 = plain decoding
     controller: goodput (each step, the draft nodes whose expected tokens pay for their measured
@@ -94,8 +96,11 @@ class SpeculativeConfig:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters to build: `auto`'s set, or the methods named."""
-        return AUTO_METHODS if self.method == "auto" else self.methods
+        """The drafters to build: `auto`'s set (with the draft model, where one is given), or the
+        methods named."""
+        if self.method == "auto":
+            return AUTO_METHODS + (("draft-model",) if self.draft_model else ())
+        return self.methods
 
     @property
     def enabled(self) -> bool:

@@ -36,6 +36,9 @@ class DraftRequest:
     budget: int  # at most this many nodes; 0 means propose nothing
     block_table: tuple[int, ...] = ()  # the target's blocks for this request, covering num_computed + 1 + budget slots
     num_computed: int = 0  # target tokens with K/V in the cache (the root token is the next one)
+    # A model drafter ends the chain once the product of its own picks' probabilities falls below
+    # this: the chance a node must have of being accepted to pay for drafting and verifying it.
+    min_value: float = 0.0
 
 
 Observation = tuple[RequestView, DraftTree, torch.Tensor | None]
@@ -65,6 +68,9 @@ class Drafter(ABC):
     #: whether proposing runs a model forward per draft depth (its cost grows with the chain's
     #: length) rather than a lookup per request
     runs_a_model: bool = False
+    #: whether a model drafter ends its proposals where its own confidence falls below the
+    #: request's `min_value` (then it is granted its whole budget and decides how far to go)
+    stops_by_value: bool = False
     #: whether `features` should get the target's hidden states of committed tokens
     wants_hidden: bool = False
     #: seconds of the last `propose` spent catching up on tokens the drafter had not seen for more

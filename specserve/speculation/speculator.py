@@ -99,6 +99,8 @@ class _Offer:
     decode: Decode
     name: str  # the drafter: chosen before drafting, then the one whose tree was kept
     grant: int = 0
+    min_value: float = 0.0  # a model drafter's chain ends below this confidence (DraftRequest.min_value)
+    model_net: float = 0.0  # a model drafter's expected accepted nodes less their cost, in tokens
     tree: DraftTree = EMPTY_TREE
     forced_from: int | None = None  # the first grammar-forced node of `tree`, if any
     rank: int | None = None  # when its drafter's tree came back (the controller is asked in that order)
@@ -342,12 +344,30 @@ class Speculator:
             else:
                 candidates.append(Candidate(values, fixed_cost=cost, context=context, behind=behind))
         asked = {o.decode.index for o in offers}
-        for o, count in zip(offers, self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
+        plain = self._step.plain_seconds
+        for o, c, count in zip(offers, candidates,
+                               self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             o.grant = count
+            model = self._active[o.name].runs_a_model
             if count == 0 and self._exploring(o.rid, o.name):
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
-                o.grant = 1 if self._active[o.name].runs_a_model else o.request.budget
+                o.grant = 1 if model else o.request.budget
+            elif count == 0 and model and self._lookups():
+                # The model's chain does not pay for the request now; the lookups (microseconds)
+                # may still find text to copy, and the second selection judges what they propose.
+                o.name = max(self._lookups(), key=lambda n: self._worth(n, o.rid, o.request.budget))
+                o.grant = o.request.budget
+            elif count and model and plain and self._active[o.name].stops_by_value:
+                # How far a model's chain pays is told best by the model itself as it drafts: its
+                # confidence in the chain so far against what a node costs (its depth's forward,
+                # its row in the verifying forward), in tokens at the plain step's rate. The
+                # acceptance model cannot know it in advance (granted by depth, the 0.5B drafting for
+                # the 1.5B drafted one node where a chain stopped by its confidence gave 1.3x plain).
+                o.grant = o.request.budget
+                per_node = (c.node_cost * max(rows, 1) / plain + self._node_cost(base, plain, rows, c.context))
+                o.min_value = per_node / self._calibration.factor(o.name)
+                o.model_net = sum(max(0.0, v - per_node) for v in c.values)
 
     def _behind(self, request_id: str) -> bool:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
@@ -386,12 +406,23 @@ class Speculator:
         for o in offers:
             if o.grant <= 0:
                 continue
-            for n in (self._worth_asking(o) if self._asks_all(o.name) else [o.name]):
+            if self._asks_all(o.name):
+                names = self._worth_asking(o)
+            elif self._active[o.name].runs_a_model and self._lookups():
+                names = self._worth_asking(o) + [o.name]  # the lookups first: see `_copy_beats_model`
+            else:
+                names = [o.name]
+            for n in names:
                 asked.setdefault(n, []).append(o)
         trees: dict[int, list[tuple[str, DraftTree]]] = {}  # by id of the offer
-        for name, group in asked.items():
+        plain = self._step.plain_seconds  # `propose` predicted the step without drafts already
+        for name, group in sorted(asked.items(), key=lambda item: self._active[item[0]].runs_a_model):
             drafter = self._active[name]
-            requests = [replace(o.request, budget=o.grant) for o in group]
+            if drafter.runs_a_model:
+                group = [o for o in group if not self._copy_beats_model(o, trees.get(id(o), []), base, plain, rows)]
+                if not group:
+                    continue
+            requests = [replace(o.request, budget=o.grant, min_value=o.min_value) for o in group]
             start = time.perf_counter()
             try:
                 proposed = drafter.propose(requests)
@@ -405,7 +436,8 @@ class Speculator:
             catch_up = min(drafter.catch_up_seconds, seconds)
             self._step.catch_up_seconds += catch_up
             self._failures = 0
-            units = max(o.grant for o in group) if drafter.runs_a_model else len(group)
+            # a model drafter's time is per depth: its chains' longest (each may stop before its grant)
+            units = max(max((len(t) for t in proposed), default=0), 1) if drafter.runs_a_model else len(group)
             old = self._propose_cost.get(name)
             per = (seconds - catch_up) / units
             self._propose_cost[name] = per if old is None else 0.8 * old + 0.2 * per
@@ -415,7 +447,6 @@ class Speculator:
                 if len(tree) > 0:
                     trees.setdefault(id(o), []).append((name, tree))
         by_id = {id(o): o for o in offers}
-        plain = self._step.plain_seconds  # `propose` predicted the step without drafts already
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
             cost = self._node_cost(base, plain, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
@@ -425,6 +456,18 @@ class Speculator:
             o.name, o.tree = options[best]
             o.others = options[:best] + options[best + 1:]
             o.rank = rank
+
+    def _copy_beats_model(self, o: _Offer, options: list[tuple[str, DraftTree]], base: StepShape,
+                          plain: float | None, rows: int) -> bool:
+        """Whether a lookup's tree for the request (`options`, proposed already) is worth at least
+        what the model drafter's chain is expected to be, net of costs: then the model is not run for
+        it. Under `auto` with a draft model, the model's chain was chosen for most requests of
+        Spec-Bench, and lost the text that suffix copies (extraction 53 against 79 tok/s alone,
+        translation 73 against 91)."""
+        if not options or o.model_net <= 0.0:
+            return bool(options) and o.model_net <= 0.0
+        cost = self._node_cost(base, plain, rows, o.request.num_computed + 1)
+        return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= o.model_net
 
     def _node_cost(self, base: StepShape, plain: float | None, rows: int, context: int) -> float:
         """What verifying one more node (attending to `context`) adds to this step's predicted time

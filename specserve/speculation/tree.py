@@ -41,8 +41,10 @@ class DraftTree:
             raise ValueError(f"draft tree: probs has {self.probs.shape[0]} rows for {len(self.tokens)} nodes")
 
     @staticmethod
-    def chain(tokens: list[int] | tuple[int, ...], probs: torch.Tensor | None = None) -> "DraftTree":
-        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), probs)
+    def chain(tokens: list[int] | tuple[int, ...], probs: torch.Tensor | None = None,
+              scores: list[float] | tuple[float, ...] | None = None) -> "DraftTree":
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), probs,
+                         None if scores is None else tuple(scores))
 
     def __len__(self) -> int:
         return len(self.tokens)

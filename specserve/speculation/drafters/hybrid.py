@@ -53,6 +53,7 @@ class HybridDrafter(Drafter):
         self.drafters = drafters
         self.target_topk = max(d.target_topk for d in drafters)
         self.runs_a_model = any(d.runs_a_model for d in drafters)
+        self.stops_by_value = all(d.stops_by_value or not d.runs_a_model for d in drafters)
 
     @property  # type: ignore[override]
     def catch_up_seconds(self) -> float:

@@ -26,14 +26,22 @@ class _Chain:
     request: DraftRequest
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # the draft's probability of each pick
+    reach: float = 1.0  # their product: the draft's own chance that the whole chain is right
 
 
 class _ChainDrafter(Drafter):
     """Shared chain drafting: feed what each request needs before its first draft token, then feed
-    each drafted token back until its budget is used or the draft's confidence in its own pick
-    falls below `stop_below` (a chain that is likely wrong costs forwards and buys nothing)."""
+    each drafted token back until its budget is used, the draft's confidence in its own pick falls
+    below `stop_below`, or its confidence in the whole chain (the product) below the request's
+    `min_value` (a chain that is likely wrong costs forwards and buys nothing). Each node's score
+    is the draft's probability of its pick (the acceptance model calibrates it).
+
+    Where a chain ends depends only on the draft's own picks, drawn before the target sees them:
+    verification of each drafted position is unchanged, so the output's distribution is too."""
 
     runs_a_model = True
+    stops_by_value = True
 
     def __init__(
         self, forward: Forward, generator: torch.Generator, num_layers: int | None, stop_below: float = 0.0
@@ -52,10 +60,13 @@ class _ChainDrafter(Drafter):
             picked = self._pick([chains[i] for i in live], logits[[r[0] for r in rows]])  # type: ignore[index]
             confident = set()
             for i, (tok, prob, conf) in zip(live, picked):
-                chains[i].tokens.append(tok)
+                c = chains[i]
+                c.tokens.append(tok)
+                c.scores.append(conf)
+                c.reach *= conf
                 if prob is not None:
-                    chains[i].probs.append(prob)
-                if conf >= self.stop_below:
+                    c.probs.append(prob)
+                if conf >= self.stop_below and c.reach >= c.request.min_value:
                     confident.add(i)
             step += 1
             live = [i for i in live if i in confident and len(chains[i].tokens) < chains[i].request.budget]
@@ -64,7 +75,7 @@ class _ChainDrafter(Drafter):
                 for i in live
             ]
         return [
-            DraftTree.chain(c.tokens, torch.stack(c.probs) if c.probs else None) if c.tokens else EMPTY_TREE
+            DraftTree.chain(c.tokens, torch.stack(c.probs) if c.probs else None, c.scores) if c.tokens else EMPTY_TREE
             for c in chains
         ]
 
