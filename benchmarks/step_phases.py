@@ -39,13 +39,18 @@ def main() -> None:
     ap.add_argument("--static", action="store_true", help="groups of --batch, each run to its end")
     ap.add_argument("--random", action="store_true", help="random 200-token prompts, every request to max-tokens")
     ap.add_argument("--force-plain", action="store_true", help="the guard keeps every step plain")
+    ap.add_argument("--draft-model", help="for --spec draft-model")
+    ap.add_argument("--spec-tokens", type=int, help="the most draft tokens a step (K; default: the engine's)")
+    ap.add_argument("--controller", help="goodput or fixed (default: the engine's)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.speculation.guard import Mode
 
     torch.set_num_threads(a.threads)
-    llm = LLM(a.model, max_num_seqs=a.batch, speculative=None if a.spec == "none" else dict(method=a.spec))
+    spec: dict[str, Any] = dict(method=a.spec, draft_model=a.draft_model)
+    spec.update({k: v for k, v in (("num_tokens", a.spec_tokens), ("controller", a.controller)) if v is not None})
+    llm = LLM(a.model, max_num_seqs=a.batch, speculative=None if a.spec == "none" else spec)
     if a.random:
         vocab = llm.engine.model.config.vocab_size
         prompts = [torch.randint(100, vocab - 100, (200,), generator=torch.Generator().manual_seed(i)).tolist()

@@ -87,6 +87,9 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     if a.draft_model:
         all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
                                           draft_stop_below=a.draft_stop_below)
+        # `auto` with the draft model beside its lookups (what --spec auto --draft-model serves)
+        all_methods["auto+draft-model"] = dict(method="auto", num_tokens=k, draft_model=a.draft_model,
+                                               draft_stop_below=a.draft_stop_below)
     names = a.methods.split(",") if a.methods else list(all_methods)
     # Asked by name only: a second engine without speculation, run interleaved like the others. Its
     # ratio to `none` is how far two identical engines in this run differ: the run's own noise.
