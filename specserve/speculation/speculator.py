@@ -362,8 +362,8 @@ class Speculator:
                 # How far a model's chain pays is told best by the model itself as it drafts: its
                 # confidence in the chain so far against what a node costs (its depth's forward,
                 # its row in the verifying forward), in tokens at the plain step's rate. The
-                # acceptance model cannot know it in advance (granted by depth, the 0.5B drafting for
-                # the 1.5B drafted one node where a chain stopped by its confidence gave 1.3x plain).
+                # acceptance model cannot know it in advance: granted by depth, the 0.5B drafting for
+                # the 1.5B got one node a step, its depth 2 never tried (BENCHMARKS.md, session 21).
                 o.grant = o.request.budget
                 per_node = (c.node_cost * max(rows, 1) / plain + self._node_cost(base, plain, rows, c.context))
                 o.min_value = per_node / self._calibration.factor(o.name)
@@ -461,11 +461,14 @@ class Speculator:
                           plain: float | None, rows: int) -> bool:
         """Whether a lookup's tree for the request (`options`, proposed already) is worth at least
         what the model drafter's chain is expected to be, net of costs: then the model is not run for
-        it. Under `auto` with a draft model, the model's chain was chosen for most requests of
-        Spec-Bench, and lost the text that suffix copies (extraction 53 against 79 tok/s alone,
-        translation 73 against 91)."""
-        if not options or o.model_net <= 0.0:
-            return bool(options) and o.model_net <= 0.0
+        it. Under `auto` the model's chain is the likelier choice for most requests (its worth is
+        counted before its cost), and run regardless it took the text suffix copies (Spec-Bench's
+        extraction and translation) from the lookups. A model chain not expected to pay at all
+        (`model_net` 0: exploring, or a fixed controller's) gives way to any lookup's tree."""
+        if not options:
+            return False
+        if o.model_net <= 0.0:
+            return True
         cost = self._node_cost(base, plain, rows, o.request.num_computed + 1)
         return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= o.model_net
 

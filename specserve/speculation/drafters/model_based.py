@@ -8,10 +8,9 @@ target uses and return it, so verification can stay lossless.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
-
-import time
 
 import torch
 
@@ -152,8 +151,8 @@ class DraftModelDrafter(_ChainDrafter):
     batched across requests, then drafts the chain. A request more than CATCH_UP tokens behind (its
     prompt, or the steps decoded plainly since it last drafted) catches up in a forward of its own,
     whose time is `catch_up_seconds`: what keeping the draft in step costs, paid once, not what
-    the drafts cost (counted as theirs, a probe after 64 plain steps cost three times a drafted
-    step, and the guard kept the draft off: 168 of 4,281 steps drafted on Spec-Bench, 0.93x plain).
+    the drafts cost (counted as theirs, the probe that could turn drafting back on looked several
+    times a drafted step, and the guard kept the draft off; BENCHMARKS.md, session 21).
     """
 
     CATCH_UP = 8
