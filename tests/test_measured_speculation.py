@@ -773,7 +773,7 @@ def test_auto_with_a_draft_model_copies_where_a_lookup_has_the_text(tiny_llama: 
     assert set(speculator.drafters) == {"suffix", "ngram", "recycling", "draft-model"}
     model = speculator.drafters["draft-model"]
     speculator.guard = None  # the clock's word aside: what is asked and run is the point here
-    speculator._choose = lambda request: "draft-model"  # type: ignore[method-assign]  # the model, chosen for each
+    speculator._choose = lambda request, base, rows: "draft-model"  # type: ignore[method-assign]  # the model, chosen for each
     speculator.drafters.update(suffix=Oracle({tuple(p): o for p, o in zip(prompts, plain)}), ngram=Silent(),
                                recycling=Silent())
     ran = [0]

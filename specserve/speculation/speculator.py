@@ -287,7 +287,7 @@ class Speculator:
         if not waiting and len(self._step.rows) >= 2:  # read only where the step drafts (`_valued_tokens`)
             self._step.fixed_share = self.controller.fixed_share(base, sampling_rows)
         try:
-            offers = [_Offer(d, self._choose(d.request)) for d in decodes]
+            offers = [_Offer(d, self._choose(d.request, base, sampling_rows)) for d in decodes]
             self._grant(offers, base, sampling_rows)
             self._run_drafters(offers, base, sampling_rows)
             for o in offers:
@@ -312,13 +312,36 @@ class Speculator:
         self._active = {n: self._active[n] for n, m in modes.items() if m is not Mode.PLAIN}
         self._step.probing = frozenset(n for n, m in modes.items() if m is Mode.PROBE)
 
-    def _choose(self, request: DraftRequest) -> str:
-        """The drafter expected to give this request the most accepted tokens."""
+    def _choose(self, request: DraftRequest, base: StepShape, rows: int) -> str:
+        """The drafter expected to give this request the most accepted tokens; a model drafter's
+        counted net of what its nodes cost (`_model_worth`: a lookup's cost is microseconds)."""
         if len(self._active) == 1:
             return next(iter(self._active))
         rid = request.view.request_id
         probing = self._step.probing
-        return max(self._active, key=lambda name: (name in probing, self._worth(name, rid, request.budget)))
+
+        def worth(name: str) -> float:
+            if self._active[name].runs_a_model:
+                return self._model_worth(name, request, base, rows)
+            return self._worth(name, rid, request.budget)
+
+        return max(self._active, key=lambda name: (name in probing, worth(name)))
+
+    def _model_worth(self, name: str, request: DraftRequest, base: StepShape, rows: int) -> float:
+        """A model drafter's expected accepted nodes for the request less what they cost, in tokens
+        at the plain step's rate (each depth's forward, here all of it charged to this request, and
+        its row in the verifying forward). Counted gross, the draft model was `auto`'s choice for
+        every request at batch 8, where its forward costs more than a node is worth, and each of
+        them then drafted with the lookups on a full grant (ShareGPT, 8 in flight: 0.83x `none`)."""
+        rid = request.view.request_id
+        gross = [self.acceptance.proposes(name, rid) * self._calibration.factor(name) * v
+                 for v in self.acceptance.chain_values(name, rid, request.budget)]
+        plain = self._step.plain_seconds
+        if not plain:
+            return sum(gross)
+        per_node = (self._propose_cost.get(name, 0.0) * max(rows, 1) / plain
+                    + self._node_cost(base, plain, rows, request.num_computed + 1))
+        return sum(max(0.0, v - per_node) for v in gross)
 
     def _worth(self, name: str, request_id: str, nodes: int) -> float:
         """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
@@ -349,15 +372,17 @@ class Speculator:
                                self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             o.grant = count
             model = self._active[o.name].runs_a_model
-            if count == 0 and self._exploring(o.rid, o.name):
+            if count == 0 and model and self._lookups():
+                # The model's chain does not pay for the request now; the lookups (microseconds)
+                # may still find text to copy, and the second selection judges what they propose.
+                # (Not the model's one-node exploration, as without lookups: under `auto` at batch 4
+                # those forwards and their catching up cost 15% of HumanEval's plain rate.)
+                o.name = max(self._lookups(), key=lambda n: self._worth(n, o.rid, o.request.budget))
+                o.grant = o.request.budget
+            elif count == 0 and self._exploring(o.rid, o.name):
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
                 o.grant = 1 if model else o.request.budget
-            elif count == 0 and model and self._lookups():
-                # The model's chain does not pay for the request now; the lookups (microseconds)
-                # may still find text to copy, and the second selection judges what they propose.
-                o.name = max(self._lookups(), key=lambda n: self._worth(n, o.rid, o.request.budget))
-                o.grant = o.request.budget
             elif count and model and plain and self._active[o.name].stops_by_value:
                 # How far a model's chain pays is told best by the model itself as it drafts: its
                 # confidence in the chain so far against what a node costs (its depth's forward,
