@@ -430,6 +430,7 @@ def test_bundled_model_greedy_equivalence_every_drafter(
         (dict(method="suffix", width=2), "spec_width"),
         (dict(method="draft-model"), "draft_model"),
         (dict(method="layer-skip", draft_layers=0), "draft_layers"),
+        (dict(method="draft-model", draft_model="d.gguf", draft_quantization="q8_0"), "draft_quantization"),
         (dict(method="auto", latency_slo_ms=0), "spec_latency_slo"),
         (dict(method="auto", latency_slack=-0.5), "spec_latency_slack"),
     ],

@@ -41,7 +41,7 @@ PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # The guard where a drafter runs a model: a drafted step's outcome varies more (a chain of several
 # forwards, accepted from none of it to all), so it is judged over more steps and probes last
 # several. With the default's (one-step probes, an average over ~5 steps) the 0.5B drafting for the
-# 1.5B, 1.38x plain unguarded, was switched off for 158 of 262 steps on four Spec-Bench questions.
+# 1.5B kept being switched off where it paid (BENCHMARKS.md, session 21).
 MODEL_GUARD = GuardConfig(decay=0.9, min_steps=8, probe_steps=4)
 
 
