@@ -81,13 +81,9 @@ def main() -> None:
     turns = {"target": full.engine.core.runner.run,
              "draft full head": full.engine.core.speculator.drafters["draft-model"].forward,
              "draft cut head": cut.engine.core.speculator.drafters["draft-model"].forward}
-    samples: dict[str, list[float]] = {name: [] for name in turns}
-    for _ in range(15):
-        for name, run in turns.items():
-            t = time.perf_counter()
-            run(item)
-            samples[name].append(time.perf_counter() - t)
-    forward_ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in samples.items()}
+    from draft_variants import forwards_in_turn  # benchmarks/, this script's directory
+
+    forward_ms = forwards_in_turn(turns, item)
     print("one-token forward ms:", json.dumps(forward_ms), flush=True)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
     totals = {name: dict(seconds=0.0, tokens=0, accepted=0, drafted_steps=0) for name in ("full", "cut")}

@@ -19,6 +19,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
+
+
+def forwards_in_turn(turns: dict[str, Callable[[Any], Any]], item: Any, rounds: int = 15) -> dict[str, float]:
+    """Each forward of `turns` run on `item` in turn, `rounds` times: the median milliseconds of each."""
+    samples: dict[str, list[float]] = {name: [] for name in turns}
+    for _ in range(rounds):
+        for name, run in turns.items():
+            t = time.perf_counter()
+            run(item)
+            samples[name].append(time.perf_counter() - t)
+    return {name: round(statistics.median(v) * 1e3, 2) for name, v in samples.items()}
 
 
 def main() -> None:
@@ -50,13 +62,7 @@ def main() -> None:
     item = [ForwardItem(list(range(14)), 200, [100])]
     turns = {"target": engines["none"].engine.core.runner.run}
     turns.update({name: engines[name].engine.core.speculator.drafters["draft-model"].forward for name in drafts})
-    samples: dict[str, list[float]] = {name: [] for name in turns}
-    for _ in range(15):
-        for name, run in turns.items():
-            t = time.perf_counter()
-            run(item)
-            samples[name].append(time.perf_counter() - t)
-    forward_ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in samples.items()}
+    forward_ms = forwards_in_turn(turns, item)
     share = {name: round(forward_ms[name] / forward_ms["target"], 3) for name in drafts}
     print("one-token forward ms:", json.dumps(forward_ms), "share of a target step:", json.dumps(share), flush=True)
 
