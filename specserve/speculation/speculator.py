@@ -339,9 +339,14 @@ class Speculator:
         plain = self._step.plain_seconds
         if not plain:
             return sum(gross)
-        per_node = (self._propose_cost.get(name, 0.0) * max(rows, 1) / plain
-                    + self._node_cost(base, plain, rows, request.num_computed + 1))
+        per_node = self._model_node_cost(self._propose_cost.get(name, 0.0), base, plain, rows,
+                                         request.num_computed + 1)
         return sum(max(0.0, v - per_node) for v in gross)
+
+    def _model_node_cost(self, depth_seconds: float, base: StepShape, plain: float, rows: int, context: int) -> float:
+        """What a model drafter's node costs, in tokens at the plain step's rate: its depth's forward
+        (`depth_seconds`) and its row in the verifying forward (`_node_cost`)."""
+        return depth_seconds * max(rows, 1) / plain + self._node_cost(base, plain, rows, context)
 
     def _worth(self, name: str, request_id: str, nodes: int) -> float:
         """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
@@ -390,7 +395,7 @@ class Speculator:
                 # acceptance model cannot know it in advance: granted by depth, the 0.5B drafting for
                 # the 1.5B got one node a step, its depth 2 never tried (BENCHMARKS.md, session 21).
                 o.grant = o.request.budget
-                per_node = (c.node_cost * max(rows, 1) / plain + self._node_cost(base, plain, rows, c.context))
+                per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context)
                 o.min_value = per_node / self._calibration.factor(o.name)
                 o.model_net = sum(max(0.0, v - per_node) for v in c.values)
 
