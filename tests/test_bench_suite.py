@@ -633,7 +633,10 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
     # each request's own figures, with usage's draft counts: they add up to the server's counters
     for r in data["rows"]:
         assert len(r["requests"]) == 6 and all(q["ok"] and q["output_tokens"] == 12 for q in r["requests"])
-        assert max(q["tpot_ms"] for q in r["requests"]) == pytest.approx(r["p99_tpot_ms"], rel=0.05)
+        # of six requests the p99 lies between the two slowest (how close to the slowest depends on
+        # the gap between them: "within 5% of the max" failed once in CI when one request stood out)
+        tpots = sorted(q["tpot_ms"] for q in r["requests"])
+        assert tpots[-2] - 1e-3 <= r["p99_tpot_ms"] <= tpots[-1] + 1e-3
         assert sum(q["accepted_drafts"] for q in r["requests"]) == (r["spec_accepted_tokens"] or 0)
         assert sum(q["accepted_drafts"] + q["rejected_drafts"] for q in r["requests"]) == r["spec_draft_tokens"]
     assert data["configs"][1]["serve_args"][-6:] == ["--spec", "ngram", "--spec-tokens", "3", "--spec-controller", "fixed"]
