@@ -636,7 +636,7 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
         # of six requests the p99 lies between the two slowest (how close to the slowest depends on
         # the gap between them: "within 5% of the max" failed once in CI when one request stood out)
         tpots = sorted(q["tpot_ms"] for q in r["requests"])
-        assert tpots[-2] - 1e-3 <= r["p99_tpot_ms"] <= tpots[-1] + 1e-3
+        assert tpots[-2] - 0.01 <= r["p99_tpot_ms"] <= tpots[-1] + 0.01  # each request's figure is rounded
         assert sum(q["accepted_drafts"] for q in r["requests"]) == (r["spec_accepted_tokens"] or 0)
         assert sum(q["accepted_drafts"] + q["rejected_drafts"] for q in r["requests"]) == r["spec_draft_tokens"]
     assert data["configs"][1]["serve_args"][-6:] == ["--spec", "ngram", "--spec-tokens", "3", "--spec-controller", "fixed"]
