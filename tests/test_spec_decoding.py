@@ -431,6 +431,7 @@ def test_bundled_model_greedy_equivalence_every_drafter(
         (dict(method="draft-model"), "draft_model"),
         (dict(method="layer-skip", draft_layers=0), "draft_layers"),
         (dict(method="draft-model", draft_model="d.gguf", draft_quantization="q8_0"), "draft_quantization"),
+        (dict(method="draft-model", draft_model="d.gguf", draft_window=0), "draft_window"),
         (dict(method="auto", latency_slo_ms=0), "spec_latency_slo"),
         (dict(method="auto", latency_slack=-0.5), "spec_latency_slack"),
     ],
@@ -481,6 +482,40 @@ def test_a_draft_model_far_behind_catches_up_apart_and_drafts_the_same(tiny_llam
     assert [t for t, _ in seen[8]] == [t for t, _ in seen[10**9]]
     assert seen[8][0][1] > 0 and all(s == 0 for _, s in seen[10**9])
     assert sum(1 for _, s in seen[8] if s > 0) < len(seen[8])  # only the first step of each is behind here
+
+
+def test_a_draft_model_reads_only_its_window_of_a_long_prompt(tiny_llama: Path, draft_dir: Path) -> None:
+    """With `draft_window` W, a draft model fed a prompt longer than W reads only its last W tokens
+    (from its own position 0): it drafts what it drafts for those tokens as a whole prompt, is fed
+    nothing before them, and follows the generated tokens after; the output stays plain decoding's."""
+    from specserve.speculation.drafter import DraftRequest, RequestView
+
+    prompt = random_prompts(1, seed=28, low=30, high=31)[0]
+    llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, controller="fixed",
+                                                draft_model=str(draft_dir), draft_window=12))
+    drafter = llm.engine.speculator.drafters["draft-model"]
+    forward, fed = drafter.forward, []
+
+    def spy(items, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fed.extend(items)
+        return forward(items, *args, **kwargs)
+
+    drafter.forward = spy
+
+    def drafts(rid: str, ids: list[int]) -> list[int]:
+        return list(drafter.propose([DraftRequest(RequestView(rid, tuple(ids), (), GREEDY), 4)])[0].tokens)
+
+    windowed = drafts("long", prompt)
+    assert fed[0].start == 0 and list(fed[0].tokens) == prompt[-12:-1]  # caught up apart: the window but its last token
+    assert sum(len(item.tokens) for item in fed) == 12 + len(windowed) - 1
+    drafter.window = None
+    assert windowed == drafts("alone", prompt[-12:])
+    assert windowed != drafts("whole", prompt)  # the prompt's head changes the drafts: the window mattered
+    drafter.window = 12
+    fed.clear()
+    assert [o.token_ids for o in llm.generate([prompt], GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in LLM(str(tiny_llama)).generate([prompt], GREEDY, use_tqdm=False)]
+    assert fed and min(item.start for item in fed) == 0 and max(item.start for item in fed) < 12 + GREEDY.max_tokens
 
 
 def test_a_model_drafters_chain_ends_where_its_confidence_falls_below_min_value(tiny_llama: Path,

@@ -145,6 +145,9 @@ class EngineArgs:
         s.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=spec.draft_quantization,
                        help="a GGUF draft model's projections: q4_0 (those stored in more bits rounded to Q4_0 at "
                             "load: cheaper draft tokens, output unchanged) or file (as stored)")
+        s.add_argument("--draft-window", type=int, default=spec.draft_window or 0,
+                       help="how many of a prompt's last tokens a draft model reads before drafting "
+                            f"(default: {spec.draft_window}; 0: the whole prompt)")
         s.add_argument("--draft-layers", type=int, default=spec.draft_layers, help="layers for --spec layer-skip")
         s.add_argument("--draft-stop-below", type=float, default=spec.draft_stop_below,
                        help="model drafters stop a chain when their pick's probability is below this")
@@ -171,6 +174,7 @@ class EngineArgs:
             speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
                                           width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
                                           draft_quantization=a.draft_quantization,
+                                          draft_window=a.draft_window or None,
                                           draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo,
                                           latency_slack=a.spec_latency_slack, pace_slack=a.spec_pace_slack),
         )

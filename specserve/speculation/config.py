@@ -34,6 +34,9 @@ class SpeculativeConfig:
     draft_quantization: for a GGUF draft model run on its own blocks, q4_0 (projections stored in
         more bits, such as the Q5_0, Q6_K and Q8_0 of a small model's Q4_K_M file, rounded to Q4_0 at
         load: a draft token reads fewer bytes; verification keeps the output exact) | file (as stored)
+    draft_window: how many of a prompt's last tokens a draft model reads (None: the whole prompt);
+        it follows everything generated after them. A long prompt read whole costs the draft more
+        than its drafts save on a short answer (BENCHMARKS.md, session 22)
     draft_layers: how many of the target's first layers `layer-skip` drafts with (None: the
         measured default for the model, else half the layers)
     latency_slo_ms: with the goodput controller, the inter-token latency (ms) speculation may take
@@ -56,6 +59,7 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_layers: int | None = None
     draft_quantization: str = "q4_0"
+    draft_window: int | None = 256
     draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
     latency_slo_ms: float | None = None
     latency_slack: float | None = None
@@ -77,6 +81,8 @@ class SpeculativeConfig:
         if self.draft_quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"draft_quantization: must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
                              f"got {self.draft_quantization!r}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise ValueError(f"draft_window: must be >= 1 (or None: the whole prompt), got {self.draft_window}")
         if not 0.0 <= self.draft_stop_below < 1.0:
             raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
         if self.width > 1 and "ngram" not in self.drafters:

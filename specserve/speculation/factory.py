@@ -113,7 +113,7 @@ def _build_one(
             raise ValueError(
                 f"draft_model: vocabulary size {draft.vocab_size} differs from the target's {target.vocab_size}"
             )
-        return DraftModelDrafter(draft.forward, draft.kv, gen, spec.draft_stop_below)
+        return DraftModelDrafter(draft.forward, draft.kv, gen, spec.draft_stop_below, spec.draft_window)
     if method == "eagle":
         return _eagle(spec, target, gen)
     raise ValueError(f"spec: no drafter for method {method!r}")

@@ -139,6 +139,7 @@ class PagedKV(Protocol):
 @dataclass
 class _DraftSide:
     tokens: list[int]  # what the draft model has been fed (K/V valid for the first num_computed)
+    offset: int = 0  # the request's tokens before this are not the draft's (its window's start)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
 
@@ -153,15 +154,26 @@ class DraftModelDrafter(_ChainDrafter):
     whose time is `catch_up_seconds`: what keeping the draft in step costs, paid once, not what
     the drafts cost (counted as theirs, the probe that could turn drafting back on looked several
     times a drafted step, and the guard kept the draft off; BENCHMARKS.md, session 21).
+
+    The draft reads at most the last `window` tokens of a request's prompt (its first position is
+    the window's first token; RoPE sees only distances, so that is the text as if it began there),
+    then follows everything generated: a draft is only a proposal, catching up on a prompt costs
+    the draft in proportion to the prompt (for every request, at a batch's first drafted steps),
+    and its drafts after the first tokens lean on the answer so far (BENCHMARKS.md, session 22).
+    None reads every prompt whole.
     """
 
     CATCH_UP = 8
 
     def __init__(
-        self, forward: Forward, kv: PagedKV, generator: torch.Generator, stop_below: float = 0.0
+        self, forward: Forward, kv: PagedKV, generator: torch.Generator, stop_below: float = 0.0,
+        window: int | None = None,
     ) -> None:
         super().__init__(forward, generator, None, stop_below)
+        if window is not None and window < 1:
+            raise ValueError(f"draft_window: must be at least 1, got {window}")
         self.kv = kv
+        self.window = window
         self._sides: dict[str, _DraftSide] = {}
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
@@ -184,7 +196,7 @@ class DraftModelDrafter(_ChainDrafter):
         trees = iter(self._draft(chains, first, starts) if chains else [])
         for c in chains:  # the draft has K/V for everything fed: committed tokens and chain[:-1]
             side = self._sides[c.request.view.request_id]
-            side.tokens = list(c.request.view.token_ids) + c.tokens[:-1]
+            side.tokens = list(c.request.view.token_ids[side.offset:]) + c.tokens[:-1]
             side.num_computed = len(side.tokens)
         return [next(trees) if good else EMPTY_TREE for good in ok]
 
@@ -207,12 +219,15 @@ class DraftModelDrafter(_ChainDrafter):
         return self._sides[request.view.request_id].block_table
 
     def _sync(self, view: RequestView) -> _DraftSide:
-        """The draft side for `view`, holding its tokens, K/V valid for the common prefix."""
-        tokens = list(view.token_ids)
+        """The draft side for `view`, holding its tokens from its window's start, K/V valid for
+        the common prefix."""
         side = self._sides.get(view.request_id)
         if side is None:
-            side = self._sides[view.request_id] = _DraftSide(tokens)
+            prompt = len(view.prompt_token_ids)
+            offset = 0 if self.window is None else max(0, prompt - self.window)
+            side = self._sides[view.request_id] = _DraftSide(list(view.token_ids[offset:]), offset)
             return side
+        tokens = list(view.token_ids[side.offset:])
         common = 0
         old = side.tokens
         limit = min(len(old), len(tokens), side.num_computed)
