@@ -6,6 +6,7 @@ and one that does not pay stops being asked. Outputs stay plain decoding's throu
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -64,9 +65,14 @@ def test_a_probe_that_pays_turns_drafting_back_on() -> None:
 def test_a_probe_lasts_probe_steps_and_is_judged_on_their_average() -> None:
     """With probe_steps 3 (the guard where a drafter runs a model, whose drafted steps vary more) a
     probe is three drafted steps in a row, judged together: one that loses badly and two that pay
-    well turn drafting back on, where a one-step probe of the same first step keeps it off."""
-    for probe_steps, back_on in ((3, True), (1, False)):
-        guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_steps=probe_steps))
+    well turn drafting back on, where a one-step probe of the same first step keeps it off. A config
+    given for the drafter (`per_drafter`) is the one its buckets are judged by; one given for
+    another drafter is not."""
+    base = GuardConfig(min_steps=3, probe_after=16)
+    three = dataclasses.replace(base, probe_steps=3)
+    for guard, probe_steps, back_on in ((GoodputGuard(three), 3, True), (GoodputGuard(base), 1, False),
+                                        (GoodputGuard(base, per_drafter={"d": three}), 3, True),
+                                        (GoodputGuard(base, per_drafter={"m": three}), 1, False)):
         run(guard, 30, 0, plain_spt=0.010, drafted_spt=0.012)  # off
         probes: list[int] = []
         for n in range(30, 400):

@@ -41,7 +41,8 @@ PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # The guard where a drafter runs a model: a drafted step's outcome varies more (a chain of several
 # forwards, accepted from none of it to all), so it is judged over more steps and probes last
 # several. With the default's (one-step probes, an average over ~5 steps) the 0.5B drafting for the
-# 1.5B kept being switched off where it paid (BENCHMARKS.md, session 21).
+# 1.5B kept being switched off where it paid (BENCHMARKS.md, session 21). Only the drafters that run a
+# model are judged so; the lookups beside them under `auto` keep the default's quicker judgement.
 MODEL_GUARD = GuardConfig(decay=0.9, min_steps=8, probe_steps=4)
 
 
@@ -144,7 +145,7 @@ def build_speculator(
         model = StepCostModel(ForwardProfile(seconds), per_attended=hot, per_context=cold)
         controller = GoodputController(model, latency_slo=slo,
                                        latency_slack=spec.latency_slack, pace_slack=spec.pace_slack)
-        guard = GoodputGuard(MODEL_GUARD if any(d.runs_a_model for d in drafters.values()) else None)
+        guard = GoodputGuard(per_drafter={n: MODEL_GUARD for n, d in drafters.items() if d.runs_a_model})
     return Speculator(drafters, sampler, verifier, spec.num_tokens, controller, guard=guard)
 
 

@@ -56,6 +56,7 @@ not off at the decodes' own shape (`off`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -156,10 +157,12 @@ class GuardStats:
 
 class GoodputGuard:
     """Per batch shape and drafter: whether this step may draft with it, from what drafted and plain
-    steps delivered."""
+    steps delivered. Drafters named in `per_drafter` are judged by a config of their own (a model
+    drafter's steps vary more than a lookup's), the rest by `config`."""
 
-    def __init__(self, config: GuardConfig | None = None) -> None:
+    def __init__(self, config: GuardConfig | None = None, per_drafter: Mapping[str, GuardConfig] | None = None) -> None:
         self.config = config or GuardConfig()
+        self.per_drafter = dict(per_drafter or {})  # drafters judged by a config of their own
         self._buckets: dict[tuple[int, int, str], _Bucket] = {}  # by (rows, context, drafter)
         self._counts = dict.fromkeys(GuardStats.__dataclass_fields__, 0)  # GuardStats' fields, as they run
 
@@ -179,7 +182,7 @@ class GoodputGuard:
         drafter's bucket records. A plain reference for any bucket that is on makes the step plain
         for all; else an off bucket says PLAIN or PROBE, an on one DRAFT."""
         keys = {name: (*shape, name) for name in drafters}
-        said = {name: self._say(self._bucket(k), step_no, requests) for name, k in keys.items()}
+        said = {name: self._say(k, self._bucket(k), step_no, requests) for name, k in keys.items()}
         if any(m is Mode.PLAIN and not self._buckets[keys[n]].off for n, m in said.items()):
             return dict.fromkeys(drafters, Mode.PLAIN)
         if Mode.PROBE in said.values():  # every drafter that is off here probes with it: one probe schedule a shape
@@ -202,7 +205,10 @@ class GoodputGuard:
                 out.add(name)
         return out
 
-    def _say(self, b: _Bucket, step_no: int, requests: frozenset[str]) -> Mode:
+    def _config(self, key: tuple[int, int, str]) -> GuardConfig:
+        return self.per_drafter.get(key[2], self.config)
+
+    def _say(self, key: tuple[int, int, str], b: _Bucket, step_no: int, requests: frozenset[str]) -> Mode:
         b.requests = requests
         if b.off and requests and b.off_for and not requests & b.off_for:
             # every request the drafts lost with has left: that loss says nothing of these (at batch
@@ -212,16 +218,16 @@ class GoodputGuard:
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
-        if b.plain.steps == 0 or (b.seconds.steps and since >= self.config.control_close and since >= self._control_every(b)):
+        c = self._config(key)
+        if b.plain.steps == 0 or (b.seconds.steps and since >= c.control_close and since >= self._control_every(c, b)):
             return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
         return Mode.DRAFT
 
-    def _control_every(self, b: _Bucket) -> int:
+    def _control_every(self, c: GuardConfig, b: _Bucket) -> int:
         """Steps between plain references: fewer while drafting's measured gain is close to plain's,
         where a reference a few percent off (taken while the cost model was still learning, or
         at other contexts) decides the judgment; many where drafts clearly pay (each control step
         gives up their gain)."""
-        c = self.config
         return c.control_close if abs(b.gain() - 1.0) < c.close else c.control_every
 
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
@@ -269,7 +275,7 @@ class GoodputGuard:
 
     def _record(self, key: tuple[int, int, str], mode: Mode, step_no: int, drafted: bool, seconds: float,
                 tokens: float, rows: int) -> None:
-        c = self.config
+        c = self._config(key)
         b = self._bucket(key)
         if not drafted:  # modelled: the step's time over its predicted time (how the model misses plain steps)
             b.plain.add(seconds if b.modelled else seconds / tokens, c.decay)
@@ -292,7 +298,7 @@ class GoodputGuard:
                 b.off, b.on_since = False, 0
                 self._count(turned_on=1, buckets_off=-1)
             else:
-                self._back_off(b, step_no)
+                self._back_off(c, b, step_no)
             return
         b.on_since += 1
         self._judge(key, b, step_no)
@@ -300,7 +306,7 @@ class GoodputGuard:
     def _record_asked(self, key: tuple[int, int, str], step_no: int, seconds: float, tokens: float) -> None:
         """A step with the drafter on that verified nothing: its time is what being on costs where
         nothing is drafted (the asking, the learning); judged with the drafted steps in their share."""
-        c = self.config
+        c = self._config(key)
         b = self._bucket(key)
         if b.plain.steps == 0 or b.off:
             return
@@ -313,10 +319,10 @@ class GoodputGuard:
     def _judge(self, key: tuple[int, int, str], b: _Bucket, step_no: int) -> None:
         """Off once steps with drafting on lose (`min_steps` drafted ones, or four times as many
         that only asked)."""
-        c = self.config
+        c = self._config(key)
         enough = b.seconds.steps >= c.min_steps or b.asked_seconds.steps >= 4 * c.min_steps
         if enough and not b.pays(1.0 - c.margin):
-            self._back_off(b, step_no)
+            self._back_off(c, b, step_no)
             b.off = True
             self._count(turned_off=1, buckets_off=1)
             self._off_with(key, b)
@@ -351,9 +357,8 @@ class GoodputGuard:
                 other.off, other.wait, other.next_probe, other.off_for = True, b.wait, b.next_probe, b.off_for
                 self._count(buckets_off=1)
 
-    def _back_off(self, b: _Bucket, step_no: int) -> None:
+    def _back_off(self, c: GuardConfig, b: _Bucket, step_no: int) -> None:
         """Off until a probe: the wait doubles with every loss since the bucket last paid for long."""
-        c = self.config
         b.wait = min(max(b.wait * 2, c.probe_after), c.probe_max)
         b.next_probe = step_no + b.wait
         b.probed = 0
