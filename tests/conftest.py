@@ -16,6 +16,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for a hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars (generation, training) would flood failure reports
+# The command line's `--draft-model auto` looks for a draft among the user's GGUF files: the tests
+# see none of them (a test that wants one sets its own directory).
+os.environ["SPECSERVE_MODELS"] = os.path.join(os.path.dirname(__file__), "no-such-models-dir")
 
 from specserve.speculation.controller import FixedController, Selection  # noqa: E402 - after the env var
 

@@ -50,17 +50,20 @@ def byte_tokens() -> list[str]:
 
 def write_model(path: Path, arch: str = "qwen2", *, hidden: int = 256, intermediate: int = 512, layers: int = 2,
                 heads: int = 4, kv_heads: int = 2, types: dict[str, Q] | None = None, tie: bool = False,
-                seed: int = 0, context: int = 2048) -> Path:
+                seed: int = 0, context: int = 2048, family: str | None = None, last_token: str = "ab") -> Path:
     """A tiny model: the projections in `types` (by GGUF short name, e.g. "attn_v", "ffn_down",
     "output", "token_embd"; default Q4_K, with Q6_K for attn_v, ffn_down and the output as a
-    Q4_K_M file has them), norms and biases F32."""
+    Q4_K_M file has them), norms and biases F32. `family`: its general.basename; `last_token`
+    replaces the vocabulary's last token (another vocabulary of the same size)."""
     rng = np.random.default_rng(seed)
     kinds = {"token_embd": Q.Q4_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
              "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K, **(types or {})}
-    tokens = byte_tokens()
+    tokens = byte_tokens()[:-1] + [last_token]
     vocab = len(tokens)
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
+    if family is not None:
+        w.add_basename(family)
     w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(intermediate)

@@ -102,16 +102,18 @@ def test_engine_args_name_bad_options(tiny_llama: Path) -> None:
 
 def test_the_command_line_and_llm_share_engine_args() -> None:
     """Every engine option of generate is an option of serve and of the benches, with the same default;
-    that default is EngineArgs' own but for speculation, which the command line turns on (`auto`)
-    and LLM(...) leaves off."""
+    that default is EngineArgs' own but for speculation, which the command line turns on (`auto`,
+    with a draft model found among the user's GGUF files: `draft_model="auto"`) and LLM(...) leaves
+    off. `--draft-model none` is no draft model."""
     from specserve.cli import build_parser
-    from specserve.entrypoints.engine_args import CLI_SPEC_DEFAULT, EngineArgs
+    from specserve.entrypoints.engine_args import CLI_DRAFT_DEFAULT, CLI_SPEC_DEFAULT, EngineArgs
 
-    assert CLI_SPEC_DEFAULT == "auto" and EngineArgs().speculative.method == "none"
+    assert CLI_SPEC_DEFAULT == "auto" and CLI_DRAFT_DEFAULT == "auto" and EngineArgs().speculative.method == "none"
     parser = build_parser()
     for argv in (["generate", "x"], ["chat"], ["serve"], ["bench", "throughput"], ["bench", "spec"]):
         args = EngineArgs.from_cli(parser.parse_args(argv))
-        assert args == EngineArgs(speculative="auto")
+        assert args == EngineArgs(speculative=dict(method="auto", draft_model="auto"))
+        assert EngineArgs.from_cli(parser.parse_args([*argv, "--draft-model", "none"])) == EngineArgs(speculative="auto")
         assert EngineArgs.from_cli(parser.parse_args([*argv, "--spec", "none"])) == EngineArgs()
 
 

@@ -437,6 +437,47 @@ def test_a_gguf_draft_model_runs_on_q4_0_blocks_and_decodes_as_plain(files: dict
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
 
 
+def test_draft_model_auto_finds_the_largest_smaller_sibling_with_the_same_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`draft_model="auto"` takes, among the GGUF files of $SPECSERVE_MODELS, the largest with the
+    target's architecture, family and vocabulary (byte for byte) and at most half its numbers; none
+    found, `auto` drafts with its lookups alone and `draft-model` is an error naming the field. The
+    output with the draft found is plain decoding's."""
+    from specserve.model.drafts import find_draft_model
+
+    models = tmp_path / "models"
+    models.mkdir()
+    target = write_model(models / "target.gguf", "qwen2", family="Tiny")  # 1.31M numbers
+    small = dict(layers=1, intermediate=256, family="Tiny")
+    write_model(models / "small-tied.gguf", "qwen2", tie=True, seed=2, **small)  # 0.46M
+    best = write_model(models / "small.gguf", "qwen2", seed=3, **small)  # 0.52M
+    # 0.62M, the largest under half the target's, but each differs from it in one thing
+    larger = dict(layers=1, intermediate=384, types={p: Q.Q8_0 for p in ("ffn_gate", "ffn_up", "ffn_down")})
+    write_model(models / "other-vocab.gguf", "qwen2", seed=4, last_token="ba", family="Tiny", **larger)
+    write_model(models / "other-family.gguf", "qwen2", seed=5, family="Other", **larger)
+    write_model(models / "llama.gguf", "llama", seed=6, family="Tiny", **larger)
+    write_model(models / "as-large.gguf", "qwen2", seed=7, family="Tiny")
+    assert find_draft_model(target, models) == best
+    best.rename(tmp_path / "small.gguf")
+    assert find_draft_model(target, models) == models / "small-tied.gguf"
+    (tmp_path / "small.gguf").rename(best)
+
+    monkeypatch.setenv("SPECSERVE_MODELS", str(models))
+    prompts = random_prompts(3, seed=12, vocab=259)
+    plain = [o.token_ids for o in LLM(str(target)).generate(prompts, GREEDY, use_tqdm=False)]
+    with caplog.at_level("INFO", logger="specserve"):
+        llm = LLM(str(target), speculative=dict(method="auto", draft_model="auto"))
+    assert f"draft model: {best}, found" in caplog.text
+    assert llm.engine.speculator.drafters.keys() >= {"draft-model", "suffix"}
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+
+    monkeypatch.setenv("SPECSERVE_MODELS", str(tmp_path / "empty"))
+    assert "draft-model" not in LLM(str(target), speculative=dict(method="auto", draft_model="auto")).engine.speculator.drafters
+    with pytest.raises(ValueError, match="^draft_model:"):
+        LLM(str(target), speculative=dict(method="draft-model", draft_model="auto"))
+
+
 def test_a_truncated_file_names_the_file_and_the_tensor(files: dict[str, Path], tmp_path: Path) -> None:
     cut = tmp_path / "cut.gguf"
     data = files["qwen2"].read_bytes()

@@ -68,6 +68,20 @@ def load_questions(dataset: Dataset, per_category: int, max_tokens: int, tokeniz
     return [(s.category or dataset.name, s.prompt) for s in draw.samples]
 
 
+def _draft_model(a: argparse.Namespace) -> str | None:
+    """The draft model of the `draft-model` rows: the one named, or with `auto` (the default) the one
+    found for the model among the user's GGUF files (`specserve.model.drafts`), or none."""
+    name = getattr(a, "draft_model", None)
+    if name in (None, "", "none"):
+        return None
+    if name != "auto":
+        return name
+    from specserve.model.drafts import draft_for
+
+    found = draft_for(a.model, a.load_format)
+    return None if found is None else str(found)
+
+
 def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     k = a.spec_tokens
     all_methods: dict[str, dict[str, Any] | None] = {
@@ -84,11 +98,12 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
     head = getattr(a, "eagle_head", None)
     if head or bundled_head(a.model):
         all_methods["eagle"] = dict(method="eagle", num_tokens=k, draft_model=head)
-    if a.draft_model:
-        all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=a.draft_model,
+    draft = _draft_model(a)
+    if draft:
+        all_methods["draft-model"] = dict(method="draft-model", num_tokens=k, draft_model=draft,
                                           draft_stop_below=a.draft_stop_below)
         # `auto` with the draft model beside its lookups (what --spec auto --draft-model serves)
-        all_methods["auto+draft-model"] = dict(method="auto", num_tokens=k, draft_model=a.draft_model,
+        all_methods["auto+draft-model"] = dict(method="auto", num_tokens=k, draft_model=draft,
                                                draft_stop_below=a.draft_stop_below)
     names = a.methods.split(",") if a.methods else list(all_methods)
     # Asked by name only: a second engine without speculation, run interleaved like the others. Its

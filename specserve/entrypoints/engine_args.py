@@ -39,6 +39,20 @@ def _off_or_float(text: str) -> float | None:
 # `LLM(...)` in Python (EngineArgs itself) keeps plain decoding unless asked, as vLLM's does: it is
 # the reference every equivalence test compares speculation with.
 CLI_SPEC_DEFAULT = "auto"
+# ... and `--draft-model`: a smaller model of the target's family that the user keeps among their
+# GGUF files ($SPECSERVE_MODELS), if there is one (`specserve.model.drafts`); `none` for none.
+CLI_DRAFT_DEFAULT = "auto"
+
+
+def _cli_draft_model(name: str | None, spec: str) -> str | None:
+    """`--draft-model` as SpeculativeConfig takes it: none is None, and so is the default `auto`
+    where the method drafts with no draft model."""
+    if name in (None, "", "none"):
+        return None
+    methods = {m.strip() for m in spec.split("+")}
+    if name == CLI_DRAFT_DEFAULT and not methods & {"auto", "draft-model"}:
+        return None
+    return name
 
 
 @dataclass(frozen=True)
@@ -141,7 +155,11 @@ class EngineArgs:
                        help="goodput: per step and request, as many draft tokens as pay for their measured cost "
                             "(0 included); fixed: always K")
         s.add_argument("--spec-width", type=int, default=spec.width, help="tree width where the drafter has one")
-        s.add_argument("--draft-model", default=spec.draft_model, help="model for --spec draft-model (same tokenizer); with --spec auto it drafts beside the lookups")
+        s.add_argument("--draft-model", default=CLI_DRAFT_DEFAULT,
+                       help="model for --spec draft-model (same tokenizer); with --spec auto it drafts beside the "
+                            f"lookups where it pays (default: {CLI_DRAFT_DEFAULT}: a smaller model of the target's "
+                            "family among the GGUF files in $SPECSERVE_MODELS, ~/.cache/specserve-models, if any; "
+                            "none: no draft model)")
         s.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=spec.draft_quantization,
                        help="a GGUF draft model's projections: q4_0 (those stored in more bits rounded to Q4_0 at "
                             "load: cheaper draft tokens, output unchanged) or file (as stored)")
@@ -172,7 +190,8 @@ class EngineArgs:
             enable_prefix_caching=not a.no_prefix_caching,
             seed=a.engine_seed, threads=a.threads,
             speculative=SpeculativeConfig(method=a.spec, num_tokens=a.spec_tokens, controller=a.spec_controller,
-                                          width=a.spec_width, draft_model=a.draft_model, draft_layers=a.draft_layers,
+                                          width=a.spec_width, draft_layers=a.draft_layers,
+                                          draft_model=_cli_draft_model(a.draft_model, a.spec),
                                           draft_quantization=a.draft_quantization,
                                           draft_window=a.draft_window or None,
                                           draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo,

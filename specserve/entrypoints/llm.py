@@ -19,6 +19,7 @@ from specserve.engine.engine import LLMEngine
 from specserve.errors import InvalidRequestError
 from specserve.isa import bf16_works
 from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from specserve.model.drafts import draft_for, models_dir
 from specserve.model.gguf_file import GGUFFile
 from specserve.model.gguf_model import gguf_config, gguf_tokenizer_dir, install_gguf_weights, rope_freq_factors
 from specserve.model.loader import (DEFAULT_MODEL, gguf_behind, gguf_int4_source, load_model_files,
@@ -28,6 +29,7 @@ from specserve.model.tuning import KernelTuner
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.entrypoints.engine_args import EngineArgs
+from specserve.speculation.config import SpeculativeConfig
 from specserve.speculation.factory import with_model_defaults
 from specserve.tokenizer import apply_chat_template, load_tokenizer
 
@@ -152,6 +154,22 @@ def _init_random(net: LlamaForCausalLM, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+def _found_draft(spec: SpeculativeConfig, model: str, load_format: str) -> SpeculativeConfig:
+    """`spec` with `draft_model="auto"` resolved: the draft model found for the target's GGUF among
+    the user's models (`find_draft_model`) where a method drafts with one (`auto`, `draft-model`),
+    else none; `draft-model` without one found is an error."""
+    if spec.draft_model != "auto":
+        return spec
+    found = draft_for(model, load_format) if spec.method == "auto" or "draft-model" in spec.methods else None
+    if found is None and "draft-model" in spec.methods:
+        raise ValueError(f"draft_model: 'auto' found no draft model for {model} among the GGUF files in "
+                         f"{models_dir()} (a smaller model of its family with the same vocabulary); name one")
+    if found is not None:
+        logger.info("draft model: %s, found for %s in %s (--draft-model none: without one)", found, model,
+                    models_dir())
+    return dataclasses.replace(spec, draft_model=None if found is None else str(found))
+
+
 class LLM:
     """Generate text with a Llama-family model, optionally with lossless speculative decoding
     (`speculative="ngram"`, or a SpeculativeConfig / dict such as {"method": "layer-skip", "num_tokens": 4}).
@@ -177,8 +195,8 @@ class LLM:
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
                                                        args.max_model_len, args.seed, args.quantization)
         config = args.engine_config(net.config, limit, precision)
-        self.engine = LLMEngine(config, net, tokenizer, with_model_defaults(args.speculative, args.model),
-                                draft_builder=self._build_draft)
+        spec = with_model_defaults(_found_draft(args.speculative, args.model, args.load_format), args.model)
+        self.engine = LLMEngine(config, net, tokenizer, spec, draft_builder=self._build_draft)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLM":

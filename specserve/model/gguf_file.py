@@ -55,9 +55,12 @@ class GGUFError(ValueError):
 
 @dataclass(frozen=True)
 class StringArray:
-    """A string array of the metadata, not decoded (the vocabulary): its length only."""
+    """A string array of the metadata, not decoded (the vocabulary): its length, and where its bytes
+    lie in the file (`GGUFFile.raw`: two files' vocabularies compare as bytes)."""
 
     count: int
+    start: int = 0
+    end: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,9 @@ class _Cursor:
                 size = np.dtype(_NUMPY[inner]).itemsize
                 return np.frombuffer(self.take(count * size), dtype=_NUMPY[inner]).copy()
             if inner == _STRING:  # skipped, not decoded
+                start = self.pos
                 self.pos = _skip_strings(self.buf, self.pos, count, self.path)
-                return StringArray(count)
+                return StringArray(count, start, self.pos)
             return [self.value(inner) for _ in range(count)]
         raise GGUFError(f"model: {self.path} is corrupt (metadata value of unknown type {kind})")
 
@@ -188,6 +192,10 @@ class GGUFFile:
         if key not in self.metadata:
             raise GGUFError(f"model: {self.path} has no {key!r} in its metadata")
         return self.metadata[key]
+
+    def raw(self, array: StringArray) -> bytes:
+        """The bytes of a metadata string array, as stored."""
+        return bytes(self._map[array.start:array.end])
 
     def tensor(self, name: str) -> GGUFTensor:
         if name not in self.tensors:

@@ -30,7 +30,9 @@ class SpeculativeConfig:
     width: tree width for `ngram` (up to this many distinct continuations as branches); the
         other drafters choose their own tree shapes (recycling, suffix) or draft chains (models)
     draft_model: model for `draft-model` (alias, .gguf or HF directory); must share the tokenizer;
-        for `eagle`, the head's directory (None: the head shipped for the model, if there is one)
+        for `eagle`, the head's directory (None: the head shipped for the model, if there is one).
+        "auto" (the command line's default): for `auto` and `draft-model`, a smaller model of the
+        target's family among the user's GGUF files, if any (`specserve.model.drafts`); else None
     draft_quantization: for a GGUF draft model run on its own blocks, q4_0 (projections stored in
         more bits, such as the Q5_0, Q6_K and Q8_0 of a small model's Q4_K_M file, rounded to Q4_0 at
         load: a draft token reads fewer bytes; verification keeps the output exact) | file (as stored)
