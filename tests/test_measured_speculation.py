@@ -382,6 +382,31 @@ def test_a_probe_of_a_drafter_that_proposes_nothing_leaves_the_drafter_that_pays
     assert steps_with({"suffix": Mode.DRAFT, "ngram": Mode.PROBE}) <= alone + 2
 
 
+def test_a_probe_does_not_take_the_place_of_a_tree_worth_more(tiny_llama: Path) -> None:
+    """A probing drafter's tree is verified ahead of the others only where no tree of a drafter that
+    is on is expected to give PROBE_DISPLACES tokens more: a drafter probed on every step whose drafts
+    are all rejected costs the one whose drafts are all accepted a few steps (while the estimates
+    learn which is which), not every step's drafts (about 64 plain steps here)."""
+    prompts = random_prompts(4, seed=48)
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)]
+    continuations = {tuple(p): o for p, o in zip(prompts, plain)}
+    unused = next(t for t in range(256) if all(t not in p for p in plain))
+
+    def steps_with(say: dict[str, Mode]) -> int:
+        llm = LLM(str(tiny_llama), speculative=dict(method="auto", controller="fixed"), max_num_seqs=4)
+        speculator = llm.engine.speculator
+        speculator.drafters = {"suffix": Oracle(continuations), "ngram": Garbage(unused)}
+        speculator.guard = SayEach(say)
+        steps = counted_steps(llm)
+        assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+        return steps[0]
+
+    alone = steps_with({"suffix": Mode.DRAFT})
+    assert alone < 0.5 * 64
+    assert steps_with({"suffix": Mode.DRAFT, "ngram": Mode.PROBE}) <= alone + 4
+
+
 @pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])
 def test_bad_guard_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"guard {field}"):

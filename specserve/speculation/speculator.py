@@ -303,7 +303,8 @@ class Speculator:
         it has not switched off and those whose probe is due, or decodes plainly if none (so under
         `auto` a drafter whose drafts lose here stops being asked, while one that pays goes on). A
         probing drafter is asked first and its tree is verified wherever it proposes one (at least
-        a node); where it proposes nothing, the drafters that are on draft as on any step."""
+        a node), unless a tree of a drafter that is on is worth PROBE_DISPLACES tokens more; where
+        it proposes nothing, the drafters that are on draft as on any step."""
         assert self.guard is not None
         shape = self.guard.key(sampling_rows, base.attended)
         requests = frozenset(d.request.view.request_id for d in decodes)
@@ -480,12 +481,25 @@ class Speculator:
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
             cost = self._node_cost(base, plain, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
-            best = max(range(len(options)), key=lambda i: (
-                options[i][0] in self._step.probing,  # a probe's tree first: it is what the probe judges
-                self._net_value(options[i][0], o.rid, options[i][1], cost)))
+            nets = [self._net_value(name, o.rid, tree, cost) for name, tree in options]
+            best = max(range(len(options)), key=lambda i: (self._probe_first(options, nets, i), nets[i]))
             o.name, o.tree = options[best]
             o.others = options[:best] + options[best + 1:]
             o.rank = rank
+
+    # A probe's tree is verified before the others' (it is what the probe judges) unless a tree of a
+    # drafter that is on is expected to give this many tokens more: then the probe waits for a step
+    # where it costs less (at batch 1 on the 1.5B's Spec-Bench translation, one-node probes of ngram
+    # and recycling took the place of suffix's eight accepted nodes; BENCHMARKS.md, session 22).
+    PROBE_DISPLACES = 1.0
+
+    def _probe_first(self, options: list[tuple[str, DraftTree]], nets: list[float], i: int) -> bool:
+        """Whether option `i` is a probe's tree to verify ahead of the others (`nets`: their values)."""
+        probing = self._step.probing
+        if options[i][0] not in probing:
+            return False
+        on = [v for (name, _), v in zip(options, nets) if name not in probing]
+        return not on or max(on) - nets[i] < self.PROBE_DISPLACES
 
     def _copy_beats_model(self, o: _Offer, options: list[tuple[str, DraftTree]], base: StepShape,
                           plain: float | None, rows: int) -> bool:
