@@ -311,6 +311,18 @@ def test_drafters_never_judged_at_a_shape_go_off_with_the_first_that_loses_there
     assert said[-1] == {"a": Mode.PLAIN, "b": Mode.DRAFT, "c": Mode.PLAIN}
 
 
+def test_a_drafter_judged_by_a_config_of_its_own_goes_off_alone() -> None:
+    """A drafter with a config of its own (`per_drafter`: a draft model's) that loses at a shape
+    does not take the drafters judged otherwise (the lookups) off with it; judged alike, it does."""
+    base = GuardConfig(min_steps=3, probe_after=16, probe_max=128)
+    for per_drafter, lookup_drafts in (({"model": dataclasses.replace(base, probe_steps=2)}, True), ({}, False)):
+        guard = GoodputGuard(base, per_drafter=per_drafter)
+        run_drafters(guard, 4, 0, {"model": 0.4, "lookup": 1.5}, turns=False)  # a plain step, then the model's 3: it lost
+        said = guard.modes(KEY, ["model", "lookup"], 4)
+        assert said["model"] is not Mode.DRAFT
+        assert (said["lookup"] is Mode.DRAFT) is lookup_drafts
+
+
 def test_drafters_off_at_a_shape_probe_together() -> None:
     """Drafters switched off at a shape at different steps probe on one schedule: each probe step
     tries every one of them, so probes cost what one drafter's would."""

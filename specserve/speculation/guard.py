@@ -351,9 +351,12 @@ class GoodputGuard:
         verified here yet) goes off with `b`, on the same probe schedule: where one drafter's drafts
         lost, the others are tried by probes, each judged on its own, rather than each by
         `min_steps` drafted steps of the controller's (with drafts that always lose, the probes of
-        all of them then cost about what one drafter's would)."""
+        all of them then cost about what one drafter's would). Only drafters judged by the same
+        config go with it: a draft model's loss says nothing of the lookups beside it."""
+        config = self._config(key)
         for k, other in self._buckets.items():
-            if k[:2] == key[:2] and k != key and not other.off and other.seconds.steps == 0:
+            if (k[:2] == key[:2] and k != key and not other.off and other.seconds.steps == 0
+                    and self._config(k) is config):
                 other.off, other.wait, other.next_probe, other.off_for = True, b.wait, b.next_probe, b.off_for
                 self._count(buckets_off=1)
 
