@@ -518,6 +518,33 @@ def test_a_draft_model_reads_only_its_window_of_a_long_prompt(tiny_llama: Path, 
     assert fed and min(item.start for item in fed) == 0 and max(item.start for item in fed) < 12 + GREEDY.max_tokens
 
 
+def test_a_draft_model_is_not_run_where_its_catch_up_costs_more_than_the_request_has_left(
+    tiny_llama: Path, draft_dir: Path
+) -> None:
+    """A request whose draft model would first catch up on more tokens than a step feeds (its
+    prompt here) is not drafted for by the model when that catch-up, at the measured seconds a token,
+    costs more than MAX_CATCH_UP_SHARE of the request's remaining plain decoding: with catching up
+    priced at 10 s a token the model is never asked (nor explored), priced at nothing it is; the
+    output is plain decoding's either way."""
+    prompts = random_prompts(3, seed=29, low=30, high=40)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, GREEDY, use_tqdm=False)]
+    for per_token, asked in ((10.0, False), (0.0, True)):
+        llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, draft_model=str(draft_dir)))
+        drafter = llm.engine.speculator.drafters["draft-model"]
+        propose, seen = drafter.propose, []
+
+        def spy(requests, propose=propose, seen=seen, drafter=drafter, per_token=per_token):  # type: ignore[no-untyped-def]
+            seen.extend(r for r in requests if r.budget > 0)
+            out = propose(requests)
+            drafter._per_token = per_token  # as if measured so
+            return out
+
+        drafter._per_token = per_token
+        drafter.propose = spy
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+        assert bool(seen) is asked
+
+
 def test_a_model_drafters_chain_ends_where_its_confidence_falls_below_min_value(tiny_llama: Path,
                                                                                draft_dir: Path) -> None:
     """Given a request's `min_value`, a draft model's chain goes on while the product of its own

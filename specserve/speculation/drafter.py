@@ -83,6 +83,11 @@ class Drafter(ABC):
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         ...
 
+    def catch_up_cost(self, view: RequestView) -> float:
+        """Seconds that proposing for `view` now would spend catching up (`catch_up_seconds`), as
+        measured so far; 0 for a drafter that never catches up, or before it has measured."""
+        return 0.0
+
     def observe(self, view: RequestView, tree: DraftTree, target_top_ids: torch.Tensor | None) -> None:
         """After a step of `view` (the view before the step's tokens were added) that verified `tree`
         (the empty tree: a step that verified none of this drafter's nodes).

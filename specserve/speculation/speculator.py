@@ -376,8 +376,11 @@ class Speculator:
         plain = self._step.plain_seconds
         for o, c, count in zip(offers, candidates,
                                self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
-            o.grant = count
             model = self._active[o.name].runs_a_model
+            unpaid = model and self._catch_up_unpaid(o)
+            if unpaid:
+                count = 0
+            o.grant = count
             if count == 0 and model and self._lookups():
                 # The model's chain does not pay for the request now; the lookups (microseconds)
                 # may still find text to copy, and the second selection judges what they propose.
@@ -385,7 +388,7 @@ class Speculator:
                 # those forwards and their catching up cost 15% of HumanEval's plain rate.)
                 o.name = max(self._lookups(), key=lambda n: self._worth(n, o.rid, o.request.budget))
                 o.grant = o.request.budget
-            elif count == 0 and self._exploring(o.rid, o.name):
+            elif count == 0 and not unpaid and self._exploring(o.rid, o.name):
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
                 o.grant = 1 if model else o.request.budget
@@ -399,6 +402,22 @@ class Speculator:
                 per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context)
                 o.min_value = per_node / self._calibration.factor(o.name)
                 o.model_net = sum(max(0.0, v - per_node) for v in c.values)
+
+    # A model drafter is not run for a request whose catching up (its prompt's window, or the tokens
+    # since it last drafted for it) would cost more than this share of the request's remaining plain
+    # decoding: on the 1.5B's Spec-Bench at batch 1, the 0.5B's catch-up on a 256-token window was 8-10%
+    # of a long-prompt request's 128 tokens, and the model then drafted on one step of 60-90 while the
+    # lookups drafted the rest (BENCHMARKS.md, session 22).
+    MAX_CATCH_UP_SHARE = 0.05
+
+    def _catch_up_unpaid(self, o: _Offer) -> bool:
+        """Whether running the offer's model drafter would first cost a catch-up larger than
+        MAX_CATCH_UP_SHARE of the request's remaining tokens at the plain step's time."""
+        plain = self._step.plain_seconds
+        view = o.request.view
+        remaining = view.params.max_tokens - len(view.output_token_ids)
+        cost = self._active[o.name].catch_up_cost(view)
+        return bool(plain) and cost > self.MAX_CATCH_UP_SHARE * remaining * plain  # type: ignore[operator]
 
     def _behind(self, request_id: str) -> bool:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'

@@ -59,6 +59,9 @@ class HybridDrafter(Drafter):
     def catch_up_seconds(self) -> float:
         return sum(d.catch_up_seconds for d in self.drafters)
 
+    def catch_up_cost(self, view: RequestView) -> float:
+        return sum(d.catch_up_cost(view) for d in self.drafters)
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         per_drafter = [d.propose(requests) for d in self.drafters]
         return [merge_trees([trees[i] for trees in per_drafter], r.budget) for i, r in enumerate(requests)]

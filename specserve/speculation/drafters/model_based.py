@@ -175,6 +175,22 @@ class DraftModelDrafter(_ChainDrafter):
         self.kv = kv
         self.window = window
         self._sides: dict[str, _DraftSide] = {}
+        self._per_token: float | None = None  # seconds a token caught up, measured (a moving average)
+
+    def catch_up_cost(self, view: RequestView) -> float:
+        if self._per_token is None:
+            return 0.0
+        side = self._sides.get(view.request_id)
+        if side is None:
+            offset = self._offset(view)
+            behind = len(view.token_ids) - offset
+        else:
+            behind = len(view.token_ids) - side.offset - side.num_computed
+        return self._per_token * (behind - 1) if behind > self.CATCH_UP else 0.0
+
+    def _offset(self, view: RequestView) -> int:
+        prompt = len(view.prompt_token_ids)
+        return 0 if self.window is None else max(0, prompt - self.window)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         chains: list[_Chain] = []
@@ -209,11 +225,15 @@ class DraftModelDrafter(_ChainDrafter):
             return
         start = time.perf_counter()
         self.forward([replace(first[i], tokens=first[i].tokens[:-1], logits="none") for i in behind])
+        fed = 0
         for i in behind:
             item = first[i]
+            fed += len(item.tokens) - 1
             first[i] = replace(item, start=item.start + len(item.tokens) - 1, tokens=item.tokens[-1:])
             self._sides[chains[i].request.view.request_id].num_computed = first[i].start
         self.catch_up_seconds = time.perf_counter() - start
+        per = self.catch_up_seconds / fed
+        self._per_token = per if self._per_token is None else 0.8 * self._per_token + 0.2 * per
 
     def _table(self, request: DraftRequest) -> list[int]:
         return self._sides[request.view.request_id].block_table
@@ -223,8 +243,7 @@ class DraftModelDrafter(_ChainDrafter):
         the common prefix."""
         side = self._sides.get(view.request_id)
         if side is None:
-            prompt = len(view.prompt_token_ids)
-            offset = 0 if self.window is None else max(0, prompt - self.window)
+            offset = self._offset(view)
             side = self._sides[view.request_id] = _DraftSide(list(view.token_ids[offset:]), offset)
             return side
         tokens = list(view.token_ids[side.offset:])
