@@ -323,6 +323,16 @@ def test_a_drafter_judged_by_a_config_of_its_own_goes_off_alone() -> None:
         assert (said["lookup"] is Mode.DRAFT) is lookup_drafts
 
 
+def test_drafters_judged_by_different_configs_probe_on_their_own_schedules() -> None:
+    """A draft model's probe (several steps) does not make the lookups that are off probe with it
+    on each of its steps: drafters probe together only with those judged by the same config."""
+    base = GuardConfig(min_steps=3, probe_after=16, probe_max=128)
+    guard = GoodputGuard(base, per_drafter={"model": dataclasses.replace(base, probe_steps=4)})
+    said = run_drafters(guard, 300, 0, {"model": 0.4, "lookup": 0.4})  # taking turns: both off, apart
+    model_probes = [m for m in said if m["model"] is Mode.PROBE]
+    assert model_probes and any(m["lookup"] is not Mode.PROBE for m in model_probes)
+
+
 def test_drafters_off_at_a_shape_probe_together() -> None:
     """Drafters switched off at a shape at different steps probe on one schedule: each probe step
     tries every one of them, so probes cost what one drafter's would."""
@@ -417,6 +427,27 @@ def test_a_probe_does_not_take_the_place_of_a_tree_worth_more(tiny_llama: Path) 
     alone = steps_with({"suffix": Mode.DRAFT})
     assert alone < 0.5 * 64
     assert steps_with({"suffix": Mode.DRAFT, "ngram": Mode.PROBE}) <= alone + 4
+
+
+def test_a_probed_draft_model_is_run_though_its_estimates_give_it_nothing(tiny_llama: Path, tiny_model_factory) -> None:
+    """Under `auto`, a draft model the guard probes drafts (its chain verified) even where the
+    acceptance estimates give it no node and lookups are there to draft instead: a probe is what
+    checks the estimates (sent to the lookups, the model never ran on its probes)."""
+    draft = tiny_model_factory("draft", seed=1, num_hidden_layers=1)  # test_spec_decoding's draft model
+    prompts = random_prompts(3, seed=49)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto", draft_model=str(draft)))
+    speculator = llm.engine.speculator
+    speculator.guard = SayEach({"draft-model": Mode.PROBE, "suffix": Mode.DRAFT, "ngram": Mode.DRAFT,
+                                "recycling": Mode.DRAFT})
+    proposes = speculator.acceptance.proposes
+    speculator.acceptance.proposes = lambda name, rid: 0.0 if name == "draft-model" else proposes(name, rid)
+    model = speculator.drafters["draft-model"]
+    propose, asked = model.propose, []
+    model.propose = lambda requests: asked.extend(r for r in requests if r.budget > 0) or propose(requests)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    assert len(asked) >= 10
 
 
 @pytest.mark.parametrize("field, value", [("margin", 1.0), ("min_steps", 0), ("probe_max", 0), ("decay", 1.0)])

@@ -40,7 +40,9 @@ under `auto`, where a step verifies whichever drafter's tree is valued most, a d
 lose at a shape is switched off there while one whose drafts pay goes on drafting (one shared
 bucket averaged the two, and at batch 1 switched both off where suffix alone paid). Drafters not
 yet judged at a shape go off with the first that loses there, and the drafters that are off at a
-shape probe together, so drafts that always lose cost about what one drafter's would. A step whose
+shape probe together, so drafts that always lose cost about what one drafter's would; both only
+among drafters judged by the same config (a draft model's probes last several steps, and the
+lookups probing on each of them were judged, and lost, on every one). A step whose
 only verified nodes are a grammar's forced text judges no drafter.
 
 Why this never changes what a request outputs: the guard chooses whether a step drafts from the
@@ -185,9 +187,10 @@ class GoodputGuard:
         said = {name: self._say(k, self._bucket(k), step_no, requests) for name, k in keys.items()}
         if any(m is Mode.PLAIN and not self._buckets[keys[n]].off for n, m in said.items()):
             return dict.fromkeys(drafters, Mode.PLAIN)
-        if Mode.PROBE in said.values():  # every drafter that is off here probes with it: one probe schedule a shape
+        probing = {id(self._config(keys[n])) for n, m in said.items() if m is Mode.PROBE}
+        if probing:  # every drafter off here and judged alike probes with it: one probe schedule a shape and config
             for name, b in ((n, self._buckets[k]) for n, k in keys.items()):
-                if b.off and b.plain.steps:
+                if b.off and b.plain.steps and id(self._config(keys[name])) in probing:
                     said[name] = Mode.PROBE
         return said
 
@@ -242,8 +245,8 @@ class GoodputGuard:
         verified nothing in the buckets of the drafters that were on (DRAFT) for it; `judged`
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
         drafter that probed without any of its trees verified did not lose: it probes next with
-        the probers that were judged and are still off (one schedule for the drafters off at a
-        shape); where none was, it probes again on the next step (a probe takes nothing from the
+        the probers judged by its config that were judged and are still off (one schedule for the
+        drafters off at a shape and judged alike); where none was, it probes again on the next step (a probe takes nothing from the
         drafters that are on: at batch 1, suffix is tried as soon as it has a match)."""
         if tokens > 0 and seconds > 0 and judged:
             modelled = expected is not None and expected > 0
@@ -267,8 +270,10 @@ class GoodputGuard:
                         self._record_asked((*shape, name), step_no, seconds, tokens)
         else:
             drafted_by = set()
-        group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and (b := self._bucket((*shape, n))).off]
         for name, mode in modes.items():
+            config = self._config((*shape, name))
+            group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and self._config((*shape, n)) is config
+                     and (b := self._bucket((*shape, n))).off]
             if mode is Mode.PROBE and name not in drafted_by and group:
                 b = self._bucket((*shape, name))
                 b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
