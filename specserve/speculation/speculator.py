@@ -380,8 +380,22 @@ class Speculator:
             unpaid = model and self._catch_up_unpaid(o)
             if unpaid:
                 count = 0
+            # A model drafter the guard probes is run whatever the estimates say (they are what a
+            # probe checks): given none by them and sent to the lookups instead, its probes under
+            # `auto` never ran it, and once off it stayed off (BENCHMARKS.md, session 22).
+            probed = model and not unpaid and o.name in self._step.probing and self._active[o.name].stops_by_value
             o.grant = count
-            if count == 0 and model and self._lookups():
+            if (count or probed) and model and plain and self._active[o.name].stops_by_value:
+                # How far a model's chain pays is told best by the model itself as it drafts: its
+                # confidence in the chain so far against what a node costs (its depth's forward,
+                # its row in the verifying forward), in tokens at the plain step's rate. The
+                # acceptance model cannot know it in advance: granted by depth, the 0.5B drafting for
+                # the 1.5B got one node a step, its depth 2 never tried (BENCHMARKS.md, session 21).
+                o.grant = o.request.budget
+                per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context)
+                o.min_value = per_node / self._calibration.factor(o.name)
+                o.model_net = sum(max(0.0, v - per_node) for v in c.values)
+            elif count == 0 and model and self._lookups():
                 # The model's chain does not pay for the request now; the lookups (microseconds)
                 # may still find text to copy, and the second selection judges what they propose.
                 # (Not the model's one-node exploration, as without lookups: under `auto` at batch 4
@@ -392,22 +406,12 @@ class Speculator:
                 # A lookup is cheap: ask it for everything and let the second selection judge the
                 # tree. A model drafter explores with one node.
                 o.grant = 1 if model else o.request.budget
-            elif count and model and plain and self._active[o.name].stops_by_value:
-                # How far a model's chain pays is told best by the model itself as it drafts: its
-                # confidence in the chain so far against what a node costs (its depth's forward,
-                # its row in the verifying forward), in tokens at the plain step's rate. The
-                # acceptance model cannot know it in advance: granted by depth, the 0.5B drafting for
-                # the 1.5B got one node a step, its depth 2 never tried (BENCHMARKS.md, session 21).
-                o.grant = o.request.budget
-                per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context)
-                o.min_value = per_node / self._calibration.factor(o.name)
-                o.model_net = sum(max(0.0, v - per_node) for v in c.values)
 
     # A model drafter is not run for a request whose catching up (its prompt's window, or the tokens
     # since it last drafted for it) would cost more than this share of the request's remaining plain
-    # decoding: on the 1.5B's Spec-Bench at batch 1, the 0.5B's catch-up on a 256-token window was 8-10%
-    # of a long-prompt request's 128 tokens, and the model then drafted on one step of 60-90 while the
-    # lookups drafted the rest (BENCHMARKS.md, session 22).
+    # decoding: on the 1.5B's Spec-Bench at batch 1, the 0.5B's catch-up on a 256-token window took 6-8%
+    # of a long-prompt request's time (128 tokens), and the model then drafted on one step of 70-90
+    # while the lookups drafted the rest (BENCHMARKS.md, session 22).
     MAX_CATCH_UP_SHARE = 0.05
 
     def _catch_up_unpaid(self, o: _Offer) -> bool:
@@ -530,9 +534,11 @@ class Speculator:
         (`model_net` 0: exploring, or a fixed controller's) gives way to any lookup's tree."""
         if not options:
             return False
+        cost = self._node_cost(base, plain, rows, o.request.num_computed + 1)
+        if o.name in self._step.probing:  # a probe runs the model unless a lookup's tree would displace it
+            return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= self.PROBE_DISPLACES
         if o.model_net <= 0.0:
             return True
-        cost = self._node_cost(base, plain, rows, o.request.num_computed + 1)
         return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= o.model_net
 
     def _node_cost(self, base: StepShape, plain: float | None, rows: int, context: int) -> float:
