@@ -42,8 +42,11 @@ PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # forwards, accepted from none of it to all), so it is judged over more steps and probes last
 # several. With the default's (one-step probes, an average over ~5 steps) the 0.5B drafting for the
 # 1.5B kept being switched off where it paid (BENCHMARKS.md, session 21). Only the drafters that run a
-# model are judged so; the lookups beside them under `auto` keep the default's quicker judgement.
-MODEL_GUARD = GuardConfig(decay=0.9, min_steps=8, probe_steps=4)
+# model are judged so; the lookups beside them under `auto` keep the default's quicker judgement. Its
+# probes (a catch-up and forwards for every request) wait longer after each loss also as requests come
+# and go at batch 2 and up (ShareGPT at batch 8, continuous, `auto` with the 0.5B: 0.84x plain before,
+# 0.95x after, in one run each; BENCHMARKS.md, session 22).
+MODEL_GUARD = GuardConfig(decay=0.9, min_steps=8, probe_steps=4, fresh_requests_rows=1)
 
 
 class BlockPool:

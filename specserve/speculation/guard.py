@@ -80,11 +80,16 @@ class GuardConfig:
     probe_after: int = 16  # steps off before the first probe
     probe_max: int = 512  # the longest wait between probes
     probe_steps: int = 1  # drafted steps a probe lasts before it is judged (on their average)
+    # the waits between probes start short again once every request the drafts lost with has left,
+    # at shapes of at most this many requests (a loss at batch 1 is the request's; at larger shapes
+    # it may be the shape's cost, which new requests do not change)
+    fresh_requests_rows: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
-        for name in ("min_steps", "control_every", "control_close", "probe_after", "probe_max", "probe_steps"):
+        for name in ("min_steps", "control_every", "control_close", "probe_after", "probe_max", "probe_steps",
+                     "fresh_requests_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
         if self.close < 0:
@@ -213,7 +218,8 @@ class GoodputGuard:
 
     def _say(self, key: tuple[int, int, str], b: _Bucket, step_no: int, requests: frozenset[str]) -> Mode:
         b.requests = requests
-        if b.off and requests and b.off_for and not requests & b.off_for:
+        c = self._config(key)
+        if b.off and requests and b.off_for and not requests & b.off_for and key[0] <= c.fresh_requests_rows:
             # every request the drafts lost with has left: that loss says nothing of these (at batch
             # 1, one request that drafts badly would else keep drafting off for the next ones for up
             # to probe_max steps), so a probe comes soon, and the waits start short again
@@ -221,7 +227,6 @@ class GoodputGuard:
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
-        c = self._config(key)
         if b.plain.steps == 0 or (b.seconds.steps and since >= c.control_close and since >= self._control_every(c, b)):
             return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
         return Mode.DRAFT
