@@ -377,13 +377,16 @@ class Speculator:
         for o, c, count in zip(offers, candidates,
                                self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             model = self._active[o.name].runs_a_model
-            unpaid = model and self._catch_up_unpaid(o)
+            unpaid = model and self._catch_up_unpaid(o, rows)
             if unpaid:
                 count = 0
             # A model drafter the guard probes is run whatever the estimates say (they are what a
             # probe checks): given none by them and sent to the lookups instead, its probes under
             # `auto` never ran it, and once off it stayed off (BENCHMARKS.md, session 22).
-            probed = model and not unpaid and o.name in self._step.probing and self._active[o.name].stops_by_value
+            # Only at batch 1: a probe of several requests runs the model, and catches it up, for each
+            # of them; there the estimates decide, as for any step.
+            probed = (model and not unpaid and rows <= 1 and o.name in self._step.probing
+                      and self._active[o.name].stops_by_value)
             o.grant = count
             if (count or probed) and model and plain and self._active[o.name].stops_by_value:
                 # How far a model's chain pays is told best by the model itself as it drafts: its
@@ -414,14 +417,15 @@ class Speculator:
     # while the lookups drafted the rest (BENCHMARKS.md, session 22).
     MAX_CATCH_UP_SHARE = 0.05
 
-    def _catch_up_unpaid(self, o: _Offer) -> bool:
+    def _catch_up_unpaid(self, o: _Offer, rows: int) -> bool:
         """Whether running the offer's model drafter would first cost a catch-up larger than
-        MAX_CATCH_UP_SHARE of the request's remaining tokens at the plain step's time."""
+        MAX_CATCH_UP_SHARE of the request's remaining tokens at the plain step's time, that step's
+        time shared by the `rows` requests it decodes (a catch-up holds up every one of them)."""
         plain = self._step.plain_seconds
         view = o.request.view
         remaining = view.params.max_tokens - len(view.output_token_ids)
         cost = self._active[o.name].catch_up_cost(view)
-        return bool(plain) and cost > self.MAX_CATCH_UP_SHARE * remaining * plain  # type: ignore[operator]
+        return bool(plain) and cost > self.MAX_CATCH_UP_SHARE * remaining * plain / max(rows, 1)  # type: ignore[operator]
 
     def _behind(self, request_id: str) -> bool:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
@@ -807,8 +811,11 @@ class Speculator:
             done = [r for r in step.rows.values() if r.ok]
             tokens = self._valued_tokens(step, done, rates)
             # A draft model catching up after plain steps is not what its drafts cost: judged with
-            # it, the probe that turns drafting back on looks slow (Drafter.catch_up_seconds).
-            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds - step.catch_up_seconds,
+            # it, the probe that turns drafting back on looks slow (Drafter.catch_up_seconds). With
+            # several requests decoding, though, requests keep arriving and falling behind, and their
+            # catching up is what drafting with the model costs there: it counts.
+            catch_up = step.catch_up_seconds if len(step.rows) <= 1 else 0.0
+            self.guard.record_step(shape, modes, self._step_no, drafted_by, seconds - catch_up,
                                    tokens, len(done),
                                    judged=not forced_only, expected=step.plain_seconds)
         sums = self._sums
