@@ -33,6 +33,20 @@ def forwards_in_turn(turns: dict[str, Callable[[Any], Any]], item: Any, rounds: 
     return {name: round(statistics.median(v) * 1e3, 2) for name, v in samples.items()}
 
 
+def summarize(totals: dict[str, dict], outputs: dict[str, list[list[int]]]) -> dict[str, dict]:
+    """Each engine's totals (seconds, tokens, accepted, drafted_steps) with its tokens/s, its ratio
+    to `none`'s, its accepted tokens a drafted step and whether its outputs were `none`'s; printed."""
+    base = totals["none"]["tokens"] / totals["none"]["seconds"]
+    result = {}
+    for name, row in totals.items():
+        tok_s = row["tokens"] / row["seconds"]
+        result[name] = dict(row, tok_s=round(tok_s, 1), vs_none=round(tok_s / base, 3),
+                            accepted_per_step=round(row["accepted"] / max(row["drafted_steps"], 1), 3),
+                            same_as_none=outputs[name] == outputs["none"])
+        print(name, json.dumps(result[name]), flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -81,14 +95,7 @@ def main() -> None:
             if o.metrics.speculation is not None:
                 row["accepted"] += o.metrics.speculation.accepted
                 row["drafted_steps"] += o.metrics.speculation.steps
-    base = totals["none"]["tokens"] / totals["none"]["seconds"]
-    result = {}
-    for name, row in totals.items():
-        tok_s = row["tokens"] / row["seconds"]
-        result[name] = dict(row, tok_s=round(tok_s, 1), vs_none=round(tok_s / base, 3),
-                            accepted_per_step=round(row["accepted"] / max(row["drafted_steps"], 1), 3),
-                            same_as_none=outputs[name] == outputs["none"])
-        print(name, json.dumps(result[name]), flush=True)
+    result = summarize(totals, outputs)
     if a.json:
         a.json.write_text(json.dumps({"command": " ".join(sys.argv), "tokens": a.tokens, "drafts": paths,
                                       "forward_ms": forward_ms, "draft_share": share, "result": result},

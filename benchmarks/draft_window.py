@@ -35,6 +35,8 @@ def main() -> None:
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import SampleSpec, open_dataset
 
+    from draft_variants import summarize  # benchmarks/, this script's directory
+
     windows = [int(w) for w in a.windows.split(",")]
     engines = {"none": LLM(a.target, threads=a.threads)}
     for w in windows:
@@ -72,14 +74,7 @@ def main() -> None:
                 tot["drafted_steps"] += o.metrics.speculation.steps
         per_request.append(row)
         print(json.dumps(row), flush=True)
-    base = totals["none"]["tokens"] / totals["none"]["seconds"]
-    result = {}
-    for name, tot in totals.items():
-        tok_s = tot["tokens"] / tot["seconds"]
-        result[name] = dict(tot, tok_s=round(tok_s, 1), vs_none=round(tok_s / base, 3),
-                            accepted_per_step=round(tot["accepted"] / max(tot["drafted_steps"], 1), 3),
-                            same_as_none=outputs[name] == outputs["none"])
-        print(name, json.dumps(result[name]), flush=True)
+    result = summarize(totals, outputs)
     if a.json:
         a.json.write_text(json.dumps({"command": " ".join(sys.argv), "result": result,
                                       "per_request": per_request}, indent=1) + "\n")
