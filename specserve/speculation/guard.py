@@ -251,8 +251,9 @@ class GoodputGuard:
         False (a step whose verified nodes were a grammar's forced text only) judges nothing. A
         drafter that probed without any of its trees verified did not lose: it probes next with
         the probers judged by its config that were judged and are still off (one schedule for the
-        drafters off at a shape and judged alike); where none was, it probes again on the next step (a probe takes nothing from the
-        drafters that are on: at batch 1, suffix is tried as soon as it has a match)."""
+        drafters off at a shape and judged alike); where none was, it probes again on the next step
+        (a probe takes nothing from the drafters that are on: at batch 1, suffix is tried as soon as
+        it has a match)."""
         if tokens > 0 and seconds > 0 and judged:
             modelled = expected is not None and expected > 0
             if modelled:
@@ -276,10 +277,12 @@ class GoodputGuard:
         else:
             drafted_by = set()
         for name, mode in modes.items():
+            if mode is not Mode.PROBE or name in drafted_by:
+                continue
             config = self._config((*shape, name))
             group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and self._config((*shape, n)) is config
                      and (b := self._bucket((*shape, n))).off]
-            if mode is Mode.PROBE and name not in drafted_by and group:
+            if group:
                 b = self._bucket((*shape, name))
                 b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
 

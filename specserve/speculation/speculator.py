@@ -425,7 +425,8 @@ class Speculator:
         view = o.request.view
         remaining = view.params.max_tokens - len(view.output_token_ids)
         cost = self._active[o.name].catch_up_cost(view)
-        return bool(plain) and cost > self.MAX_CATCH_UP_SHARE * remaining * plain / max(rows, 1)  # type: ignore[operator]
+        allowed = self.MAX_CATCH_UP_SHARE * remaining * (plain or 0.0) / max(rows, 1)
+        return bool(plain) and cost > allowed
 
     def _behind(self, request_id: str) -> bool:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
@@ -517,7 +518,7 @@ class Speculator:
     # A probe's tree is verified before the others' (it is what the probe judges) unless a tree of a
     # drafter that is on is expected to give this many tokens more: then the probe waits for a step
     # where it costs less (at batch 1 on the 1.5B's Spec-Bench translation, one-node probes of ngram
-    # and recycling took the place of suffix's eight accepted nodes; BENCHMARKS.md, session 22).
+    # and recycling took the place of suffix's long accepted chains; BENCHMARKS.md, session 22).
     PROBE_DISPLACES = 1.0
 
     def _probe_first(self, options: list[tuple[str, DraftTree]], nets: list[float], i: int) -> bool:
