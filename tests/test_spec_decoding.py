@@ -304,19 +304,15 @@ def test_mixed_batch_some_speculate_some_do_not(tiny_llama: Path) -> None:
     params = [SamplingParams(max_tokens=1 if i % 3 == 0 else 20, temperature=0, ignore_eos=True) for i in range(6)]
     params += [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=40 + i, ignore_eos=True)
                for i in range(2)]
-    spec = dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama))
+    # fixed grants: the target drafting for itself never pays, and the goodput controller would not draft
+    spec = dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama), controller="fixed")
     plain = LLM(str(tiny_llama)).generate(prompts[:6], params[:6], use_tqdm=False)
-
-    def drafting(llm: LLM) -> LLM:  # whatever catching up costs against 20 tokens: the drafts are the point
-        llm.engine.speculator.MAX_CATCH_UP_SHARE = float("inf")
-        return llm
-
-    llm = drafting(LLM(str(tiny_llama), speculative=spec))
+    llm = LLM(str(tiny_llama), speculative=spec)
     mixed = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in mixed[:6]] == [o.token_ids for o in plain]
     assert all(o.metrics.speculation.steps == 0 for o, p in zip(mixed, params) if p.max_tokens == 1)
     for i in (6, 7):
-        alone = drafting(LLM(str(tiny_llama), speculative=spec)).generate(prompts[i], params[i], use_tqdm=False)[0]
+        alone = LLM(str(tiny_llama), speculative=spec).generate(prompts[i], params[i], use_tqdm=False)[0]
         assert mixed[i].token_ids == alone.token_ids
         assert mixed[i].metrics.speculation.steps > 0
 
@@ -548,6 +544,29 @@ def test_a_draft_model_is_not_run_where_its_catch_up_costs_more_than_the_request
         drafter.propose = spy
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
         assert bool(seen) is asked
+
+
+def test_a_draft_model_whose_node_costs_a_token_is_not_run(tiny_llama: Path) -> None:
+    """Once a model drafter's forward is measured, a request is not drafted for by it where a node
+    costs a token or more (its depth's forward charged to the request, and its row): the target
+    drafting for itself, at three requests a step, is asked once or twice (before its cost is
+    known), not on the explorations that would try it again (17 times here without the rule); the
+    output is plain decoding's."""
+    prompts = random_prompts(3, seed=30, low=4, high=8)
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)]
+    asked = {}
+    for gate in (True, False):
+        llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, draft_model=str(tiny_llama)))
+        speculator = llm.engine.speculator
+        if not gate:
+            speculator._node_never_pays = lambda *args: False
+        drafter = speculator.drafters["draft-model"]
+        propose, calls = drafter.propose, []
+        drafter.propose = lambda requests, propose=propose, calls=calls: calls.append(1) or propose(requests)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+        asked[gate] = len(calls)
+    assert asked[True] <= 2 < asked[False], asked
 
 
 def test_a_model_drafters_chain_ends_where_its_confidence_falls_below_min_value(tiny_llama: Path,

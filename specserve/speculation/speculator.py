@@ -377,7 +377,7 @@ class Speculator:
         for o, c, count in zip(offers, candidates,
                                self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             model = self._active[o.name].runs_a_model
-            unpaid = model and self._catch_up_unpaid(o, rows)
+            unpaid = model and (self._catch_up_unpaid(o, rows) or self._node_never_pays(c, base, rows))
             if unpaid:
                 count = 0
             # A model drafter the guard probes is run whatever the estimates say (they are what a
@@ -416,6 +416,14 @@ class Speculator:
     # of a long-prompt request's time (128 tokens), and the model then drafted on one step of 70-90
     # while the lookups drafted the rest (BENCHMARKS.md, session 22).
     MAX_CATCH_UP_SHARE = 0.05
+
+    def _node_never_pays(self, c: Candidate, base: StepShape, rows: int) -> bool:
+        """Whether a model drafter's node costs a token or more at this step's shape (its depth's
+        measured forward, charged to the request, and its row): then no acceptance pays for it. At
+        batch 8 on the 1.5B the 0.5B's nodes cost that, and drafting with it there lost to plain
+        decoding (BENCHMARKS.md, session 22)."""
+        plain = self._step.plain_seconds
+        return bool(plain) and self._model_node_cost(c.node_cost, base, plain, rows, c.context) >= 1.0  # type: ignore[arg-type]
 
     def _catch_up_unpaid(self, o: _Offer, rows: int) -> bool:
         """Whether running the offer's model drafter would first cost a catch-up larger than
