@@ -566,8 +566,8 @@ def test_a_draft_model_whose_node_costs_a_token_is_not_run(tiny_llama: Path) -> 
         select = speculator.controller.select  # and estimates that grant every node (the controller's own
         speculator.controller.select = lambda base, rows, candidates, behind=False, select=select: dataclasses.replace(
             select(base, rows, candidates, behind), counts=tuple(len(c.values) for c in candidates))  # pricing aside)
-        if not gate:
-            speculator._node_never_pays = lambda *args: False
+        if not gate:  # a node's cost as if nothing (the rule's input), its price in the grant aside
+            speculator._model_node_cost = lambda *args: 0.0
         drafter = speculator.drafters["draft-model"]
         forward = drafter.forward
 

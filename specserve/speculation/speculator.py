@@ -377,7 +377,11 @@ class Speculator:
         for o, c, count in zip(offers, candidates,
                                self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             model = self._active[o.name].runs_a_model
-            unpaid = model and (self._catch_up_unpaid(o, rows) or self._node_never_pays(c, base, rows))
+            # a model's node: its depth's measured forward, charged to the request, and its row; at a
+            # token or more no acceptance pays for it (at batch 8 on the 1.5B the 0.5B's cost that,
+            # and drafting with it there lost to plain decoding; BENCHMARKS.md, session 22)
+            per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context) if model and plain else 0.0
+            unpaid = model and (per_node >= 1.0 or self._catch_up_unpaid(o, rows))
             if unpaid:
                 count = 0
             # A model drafter the guard probes is run whatever the estimates say (they are what a
@@ -395,7 +399,6 @@ class Speculator:
                 # acceptance model cannot know it in advance: granted by depth, the 0.5B drafting for
                 # the 1.5B got one node a step, its depth 2 never tried (BENCHMARKS.md, session 21).
                 o.grant = o.request.budget
-                per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context)
                 o.min_value = per_node / self._calibration.factor(o.name)
                 o.model_net = sum(max(0.0, v - per_node) for v in c.values)
             elif count == 0 and model and self._lookups():
@@ -417,24 +420,16 @@ class Speculator:
     # while the lookups drafted the rest (BENCHMARKS.md, session 22).
     MAX_CATCH_UP_SHARE = 0.05
 
-    def _node_never_pays(self, c: Candidate, base: StepShape, rows: int) -> bool:
-        """Whether a model drafter's node costs a token or more at this step's shape (its depth's
-        measured forward, charged to the request, and its row): then no acceptance pays for it. At
-        batch 8 on the 1.5B the 0.5B's nodes cost that, and drafting with it there lost to plain
-        decoding (BENCHMARKS.md, session 22)."""
-        plain = self._step.plain_seconds
-        return bool(plain) and self._model_node_cost(c.node_cost, base, plain, rows, c.context) >= 1.0  # type: ignore[arg-type]
-
     def _catch_up_unpaid(self, o: _Offer, rows: int) -> bool:
         """Whether running the offer's model drafter would first cost a catch-up larger than
         MAX_CATCH_UP_SHARE of the request's remaining tokens at the plain step's time, that step's
         time shared by the `rows` requests it decodes (a catch-up holds up every one of them)."""
         plain = self._step.plain_seconds
+        if not plain:
+            return False
         view = o.request.view
         remaining = view.params.max_tokens - len(view.output_token_ids)
-        cost = self._active[o.name].catch_up_cost(view)
-        allowed = self.MAX_CATCH_UP_SHARE * remaining * (plain or 0.0) / max(rows, 1)
-        return bool(plain) and cost > allowed
+        return self._active[o.name].catch_up_cost(view) > self.MAX_CATCH_UP_SHARE * remaining * plain / max(rows, 1)
 
     def _behind(self, request_id: str) -> bool:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
