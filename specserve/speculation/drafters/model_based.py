@@ -181,11 +181,8 @@ class DraftModelDrafter(_ChainDrafter):
         if self._per_token is None:
             return 0.0
         side = self._sides.get(view.request_id)
-        if side is None:
-            offset = self._offset(view)
-            behind = len(view.token_ids) - offset
-        else:
-            behind = len(view.token_ids) - side.offset - side.num_computed
+        total = len(view.prompt_token_ids) + len(view.output_token_ids)  # (token_ids would build the tuple)
+        behind = total - self._offset(view) if side is None else total - side.offset - side.num_computed
         return self._per_token * (behind - 1) if behind > self.CATCH_UP else 0.0
 
     def _offset(self, view: RequestView) -> int:
