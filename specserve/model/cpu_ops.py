@@ -22,22 +22,26 @@ def contiguous_f32(x: torch.Tensor) -> bool:
 def rope_(x: torch.Tensor, n_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the first `n_heads` heads of every row of x ([T, width], rows x.stride(0) apart) in
     place; cos/sin: [T, head_dim] contiguous."""
-    torch.ops.specserve.rope_(x, n_heads, head_dim, cos, sin, ops.layer_isa())
+    isa = ops.layer_isa()  # first: it loads the library that defines the operator
+    torch.ops.specserve.rope_(x, n_heads, head_dim, cos, sin, isa)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """k, v: [T, KVH, D] float32 views with rows k.stride(0) apart (the same for v); slots int64."""
-    torch.ops.specserve.write_kv(k, v, k_cache, v_cache, slots, ops.layer_isa())
+    isa = ops.layer_isa()  # first: it loads the library that defines the operator
+    torch.ops.specserve.write_kv(k, v, k_cache, v_cache, slots, isa)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, D] contiguous float32."""
-    return torch.ops.specserve.rms_norm(x, weight, eps, ops.layer_isa())
+    isa = ops.layer_isa()  # first: it loads the library that defines the operator
+    return torch.ops.specserve.rms_norm(x, weight, eps, isa)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] contiguous float32 -> silu(gate) * up, [T, I]."""
-    return torch.ops.specserve.silu_mul(gate_up, ops.layer_isa())
+    isa = ops.layer_isa()  # first: it loads the library that defines the operator
+    return torch.ops.specserve.silu_mul(gate_up, isa)
 
 
 # The most indices `row_topk` gives a row (csrc/cpu_kernels.h, SPECSERVE_ROW_TOPK_MAX).
