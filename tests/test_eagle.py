@@ -239,3 +239,42 @@ def test_a_greedy_tree_keeps_the_budget_most_probable_paths() -> None:
     assert tree.tokens == (100, 101, 103, 106)
     assert tree.parents == (-1, -1, 0, 2)
     assert tree.scores == (0.6, 0.3, 0.9, 0.8)
+
+
+def test_training_passes_compute_what_drafting_computes() -> None:
+    """Training-time test (EAGLE-3): pass k of training, at the row of a depth-(k - 1) draft node,
+    computes the head output drafting computes for that node, reading the head's own predicted
+    features and attending to the target-fed rows and the node's own chain only. With the earlier
+    passes' rows attended causally instead (a head trained on contexts it never drafts in), the
+    depth-2 and deeper nodes differ."""
+    from specserve.sampling_params import SamplingParams as SP
+    from specserve.speculation.drafter import DraftRequest, RequestView
+    from specserve.speculation.drafters.eagle import EagleDrafter
+    from specserve.train.drafter import head_passes
+
+    head = _head()
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(258, 64, generator=g)
+    readout = torch.nn.Linear(64, 258, bias=False)
+    torch.nn.init.normal_(readout.weight, generator=g)
+    drafter = EagleDrafter(head, lambda ids: emb[ids], 258, readout, torch.Generator(), top_k=1, max_depth=4)
+    m = 9
+    prompt = tuple(torch.randint(0, 258, (m + 1,), generator=g).tolist())
+    feats = torch.randn(m, 64, generator=g)
+    drafter.features("r", 0, feats)
+    with torch.no_grad():
+        work = drafter._catch_up([DraftRequest(RequestView("r", prompt, (), SP(temperature=0)), budget=4)])["r"]
+        assert work is not None
+        drafter._grow([work])
+    chain = [n for n in work.nodes]
+    assert [n.depth for n in chain] == [1, 2, 3, 4]
+    seq = list(prompt) + [n.token for n in chain]
+    length = len(seq) - 1
+    f = torch.zeros(1, length, 64)
+    f[0, :m] = feats
+    e = emb[torch.tensor(seq[1:])].unsqueeze(0)
+    with torch.no_grad():
+        outs = head_passes(head, f, e, torch.arange(length).unsqueeze(0), passes=4)
+    assert torch.allclose(outs[0][0, m - 1], work.root_out, atol=1e-5)  # the root: the target-fed rows
+    for depth, node in enumerate(chain[:3], start=1):  # node at depth d: pass d + 1, row m - 1 + d
+        assert torch.allclose(outs[depth][0, m - 1 + depth], node.out, atol=1e-5), depth

@@ -59,7 +59,8 @@ class TrainConfig:
     batch_tokens: int = 2048
     token_weight: float = 1.0  # features 1.0 and tokens 1.0 (EAGLE-1's 0.1 for tokens learned slower here)
     feature_noise: float = 0.1  # uniform noise on input features, as EAGLE trains
-    own_feature_weight: float = 0.5  # the second pass, on the head's own features (0: none)
+    own_feature_weight: float = 0.5  # each pass on the head's own features (0: none)
+    own_feature_passes: int = 1  # passes on the head's own features: pass k trains drafting depth k + 1
     answer_only: bool = False  # token loss on answer tokens only (else everywhere, on the target's choice)
     eval_fraction: float = 0.05
     eval_every: int = 50  # steps
@@ -71,7 +72,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "epochs", "batch_tokens", "eval_every",
-                     "gen_batch"):
+                     "gen_batch", "own_feature_passes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab < 0:
@@ -301,8 +302,8 @@ class DrafterTrainer:
                 with amp():
                     losses = self._losses(head, lm_rows, data, batch, noise=c.feature_noise)
                     loss = losses["feature"] + c.token_weight * losses["token"]
-                    if c.own_feature_weight > 0:
-                        loss = loss + c.own_feature_weight * (losses["feature2"] + c.token_weight * losses["token2"])
+                    for k in range(2, c.own_feature_passes + 2 if c.own_feature_weight > 0 else 2):
+                        loss = loss + c.own_feature_weight * (losses[f"feature{k}"] + c.token_weight * losses[f"token{k}"])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -355,36 +356,49 @@ class DrafterTrainer:
 
     def _losses(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data", batch: list[tuple[int, int, int]],
                 noise: float = 0.0) -> dict[str, torch.Tensor]:
+        """Pass 1 reads the target's features; pass k > 1 reads, at row j, the head's own prediction
+        of f_j from pass k - 1 (row j - 1), as a node at depth k does when drafting, and attends as
+        that node does (EAGLE-3's training-time test): to the target-fed rows up to j - k + 1 and to
+        its own chain of earlier passes' rows (`_ChainAttend`). Keys: feature{k}, token{k}, acc{k}
+        (pass 1 without the number)."""
         feats, embeds, positions, next_feats, labels, fmask = data.batch(batch)
         if noise > 0:
             feats = feats + (torch.rand_like(feats) * 2 - 1) * noise
-        out = head(feats, embeds, positions, causal_attend)
-        first = _terms(out, lm_rows, next_feats, labels, fmask)
-        # the second pass: row j reads the head's own prediction of f_j (row j - 1's output)
-        own = torch.cat((feats[:, :1], out[:, :-1]), dim=1)
-        out2 = head(own, embeds, positions, causal_attend)
-        second = _terms(out2, lm_rows, next_feats, labels, fmask)
-        return {"feature": first[0], "token": first[1], "acc": first[2], "feature2": second[0],
-                "token2": second[1], "acc2": second[2]}
+        outs = head_passes(head, feats, embeds, positions, max(2, self.c.own_feature_passes + 1))
+        names = ("feature", "token", "acc")
+        result = dict(zip(names, _terms(outs[0], lm_rows, next_feats, labels, fmask)))
+        for k, out in enumerate(outs[1:], start=2):
+            valid = torch.arange(out.shape[1], device=out.device) >= k - 1  # rows with a whole chain
+            keep = labels.masked_fill(~valid, -100)
+            result.update(zip((f"{n}{k}" for n in names), _terms(out, lm_rows, next_feats, keep, fmask & valid)))
+        return result
 
     @torch.no_grad()
     def _evaluate(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data",
                   evals: list[tuple[int, int, int]]) -> dict[str, float]:
         """Held-out top-1 accuracy on the target's next token, from the target's features (acc1) and
-        from the head's own (acc2); `chain5`: the accepted tokens a five-token greedy chain would
-        get if each depth after the first were right with acc2 (an estimate, not a measurement)."""
+        from the head's own (acc2, and acc3 .. for more passes: depth k reads features the head
+        predicted k - 1 times over); `chain5`: the accepted tokens a five-token greedy chain would get
+        if depth k were right with acc{k} (the last pass's for deeper ones; an estimate, not a
+        measurement)."""
         if not evals:
             return {}
         head.eval()
-        hits1 = hits2 = count = 0.0
+        passes = max(2, self.c.own_feature_passes + 1)
+        hits = [0.0] * passes
+        count = 0.0
         for batch in _batches(evals, self.c.batch_tokens, None):
             losses = self._losses(head, lm_rows, data, batch)
             n = float(data.last_count)
-            hits1 += losses["acc"].item() * n
-            hits2 += losses["acc2"].item() * n
+            for k in range(passes):
+                hits[k] += losses["acc" if k == 0 else f"acc{k + 1}"].item() * n
             count += n
-        a1, a2 = hits1 / max(count, 1), hits2 / max(count, 1)
-        return {"acc1": a1, "acc2": a2, "chain5": sum(a1 * a2 ** d for d in range(5))}
+        accs = [h / max(count, 1) for h in hits]
+        chain, reach = 0.0, 1.0
+        for depth in range(5):
+            reach *= accs[min(depth, passes - 1)]
+            chain += reach
+        return {**{f"acc{k + 1}": a for k, a in enumerate(accs)}, "chain5": chain}
 
     def _note(self, key: str, value: float) -> None:
         path = self.out / "timings.json"
@@ -397,6 +411,47 @@ def _schedule(step: int, total: int) -> float:
     """Warm-up over the first 5% of the steps (at most 50), then cosine decay to zero at `total`."""
     warm = max(1, min(50, total // 20))
     return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+def head_passes(head: EagleHead, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                passes: int) -> list[torch.Tensor]:
+    """The head's outputs [B, L, H] in each training pass: the first reads the target's features
+    (row j: f_j and the embedding of t_{j+1}); pass k reads at row j pass k - 1's output at row
+    j - 1 and attends as `_ChainAttend` says, so that its row j computes what drafting computes for
+    the depth-(k - 1) node t_{j+1} over the target-fed rows 0 .. j - k + 1."""
+    chain = _ChainAttend()
+    outs = [head(feats, embeds, positions, chain)]
+    for _ in range(passes - 1):
+        own = torch.cat((feats[:, :1], outs[-1][:, :-1]), dim=1)
+        outs.append(head(own, embeds, positions, chain))
+    return outs
+
+
+class _ChainAttend:
+    """Attention for the passes of `_losses` (EAGLE-3's training-time test): pass 1 is causal over
+    its own rows; in pass k, row j attends to pass 1's rows 0 .. j - k + 1 (what the target fed)
+    and to row j - k + i of each pass i = 2 .. k (its chain of drafted nodes, itself last). Each
+    call records its keys and values for the passes after it."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        passes = len(self.keys)
+        if passes == 1:
+            return causal_attend(q, k, v)
+        length = q.shape[1]
+        rows = torch.arange(length, device=q.device).unsqueeze(1)
+        cols = torch.arange(length, device=q.device).unsqueeze(0)
+        masks = [cols <= rows - passes + 1] + [cols == rows - passes + i for i in range(2, passes + 1)]
+        mask = torch.cat(masks, dim=1)  # [L, passes * L]
+        keys, values = torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)
+        rep = q.shape[-2] // k.shape[-2]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, keys.repeat_interleave(rep, -2), values.repeat_interleave(rep, -2)))
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
 
 
 def _terms(out: torch.Tensor, lm_rows: torch.Tensor, next_feats: torch.Tensor, labels: torch.Tensor,
