@@ -57,6 +57,17 @@ def test_trainer_learns_and_resumes(tiny_llama: Path, tmp_path: Path) -> None:
     assert top <= set(loaded.vocab_ids.tolist())
     llm = LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(head), num_tokens=4))
     assert llm.generate("abc", GREEDY, use_tqdm=False)[0].token_ids
+    # the labels: the target's choice after every position (taken from its greedy answers within
+    # them, computed from the features elsewhere) is the argmax of its LM head over the features
+    from safetensors.torch import load_file
+
+    from specserve.model.eagle import lm_head_weight
+
+    stored = load_file(str(head / "data" / "features-00000.safetensors"))
+    choices = torch.load(str(head / "data" / "choices.pt"), weights_only=True)
+    lm = lm_head_weight(llm.engine.model).float()
+    argmax = (stored["hidden"].float() @ lm.T).argmax(-1)
+    assert choices.shape == argmax.shape and (choices == argmax).float().mean() > 0.99
 
 
 def test_bfloat16_training_learns_and_keeps_float32_weights(tiny_llama: Path, tmp_path: Path,
