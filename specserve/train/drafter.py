@@ -368,8 +368,8 @@ class DrafterTrainer:
     def _losses(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data", batch: list[tuple[int, int, int]],
                 noise: float = 0.0) -> dict[str, torch.Tensor]:
         """Pass 1 reads the target's features; pass k > 1 reads, at row j, the head's own prediction
-        of f_j from pass k - 1 (row j - 1), as a node at depth k does when drafting, and attends as
-        that node does (EAGLE-3's training-time test): to the target-fed rows up to j - k + 1 and to
+        of f_j from pass k - 1 (row j - 1), as drafting does when it expands a depth-(k - 1) node into
+        depth k, and attends as that node does (EAGLE-3's training-time test): to the target-fed rows up to j - k + 1 and to
         its own chain of earlier passes' rows (`_ChainAttend`). Keys: feature{k}, token{k}, acc{k}
         (pass 1 without the number)."""
         feats, embeds, positions, next_feats, labels, fmask = data.batch(batch)
