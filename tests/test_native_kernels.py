@@ -235,6 +235,34 @@ def test_native_layer_loop_equals_the_python_path(int4_pair: tuple[LLM, LLM], mo
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+def test_feature_layer_states_are_the_states_after_that_many_layers(
+    int4_pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward asked for the state after layer 1 (an EAGLE-3 head's low-layer feature) returns,
+    beside the unchanged last state, exactly what a forward through the first layer alone gives
+    (the native loop run in two segments, and layer by layer in Python)."""
+    from specserve.model.forward import ForwardItem
+
+    ids = random_prompts(1, seed=7, low=30, high=31)[0]
+    got = []
+    for llm, native in ((int4_pair[0], True), (int4_pair[1], False)):
+        if not native:
+            monkeypatch.setattr(type(llm.engine.model), "_native", lambda self, kv, x: None)
+        runner = llm.engine.runner
+        item = ForwardItem(list(range(-(-len(ids) // runner.block_size))), 0, ids)
+        both = runner.run([item], all_hidden=True, feature_layers=(1,)).all_hidden
+        last = runner.run([item], all_hidden=True).all_hidden
+        first = runner.run([item], num_layers=1, all_hidden=True).all_hidden
+        h = last.shape[1]
+        assert both.shape == (len(ids), 2 * h)
+        assert torch.equal(both[:, h:], last) and torch.equal(both[:, :h], first)
+        assert not torch.allclose(first, last, atol=1e-3), "the two layers' states differ"
+        got.append(both)
+    assert torch.allclose(got[0], got[1], atol=1e-4)
+    with pytest.raises(ValueError, match="^feature_layers: 3 is not among the 2 layers"):
+        int4_pair[0].engine.runner.run([item], all_hidden=True, feature_layers=(3,))
+
+
 def test_tuner_decide_takes_the_fastest_and_remembers_it(tmp_path: Path) -> None:
     path = tmp_path / "choices.json"
 

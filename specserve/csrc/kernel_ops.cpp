@@ -10,8 +10,8 @@
 //   rope_(x!, n_heads, head_dim, cos, sin, isa)              rotary embedding in place
 //   rms_norm(x, weight, eps, isa), silu_mul(gate_up, isa)
 //   row_topk(x, k, isa)                                      each row's k largest values' indices
-//   decoder_forward(decoder, x, n_layers, cos, sin, slots, <metadata>, scale)
-//       every layer of a step in one call, over a `Decoder` (a torch class holding the layers'
+//   decoder_forward(decoder, x, n_layers, cos, sin, slots, <metadata>, scale, first_layer=0)
+//       layers first_layer .. first_layer + n_layers - 1 of a step in one call, over a `Decoder` (a torch class holding the layers'
 //       weights and caches), with the same kernels as the operators above.
 //
 // The kernels are the C sources compiled once per variant (cpu_kernels.h).
@@ -455,14 +455,14 @@ at::Tensor decoder_forward(const c10::intrusive_ptr<Decoder>& dec, const at::Ten
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& ctx_len,
                            const at::Tensor& tables, const at::Tensor& table_off, const at::Tensor& masks,
-                           const at::Tensor& mask_off, double scale) {
+                           const at::Tensor& mask_off, double scale, int64_t first_layer) {
     const char* what = "decoder_forward";
     const auto& k = kernels(dec->isa, what);
     check_cpu(x_in, at::kFloat, 2, what, "x");
     TORCH_CHECK(x_in.size(1) == dec->hidden, what, ": x has rows of ", x_in.size(1), ", the model ", dec->hidden);
-    TORCH_CHECK(n_layers >= 0 && n_layers <= (int64_t)dec->layers.size(), what, ": ", n_layers, " layers of ",
-                dec->layers.size());
-    for (int64_t i = 0; i < n_layers; i++)
+    TORCH_CHECK(first_layer >= 0 && n_layers >= 0 && first_layer + n_layers <= (int64_t)dec->layers.size(), what,
+                ": layers ", first_layer, " .. ", first_layer + n_layers - 1, " of ", dec->layers.size());
+    for (int64_t i = first_layer; i < first_layer + n_layers; i++)
         TORCH_CHECK(dec->projections_set[i] == 0xF, what, ": layer ", i, " lacks a projection");
     const int64_t T = x_in.size(0);
     check_rope_table(cos, sin, T, dec->head_dim, what);
@@ -471,7 +471,7 @@ at::Tensor decoder_forward(const c10::intrusive_ptr<Decoder>& dec, const at::Ten
         T, dec->num_blocks, dec->block_size, what);
     at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);
     const int rc = k.decoder_forward(
-        x.data_ptr<float>(), (int)T, (int)dec->hidden, (int)dec->intermediate, dec->layers.data(), (int)n_layers,
+        x.data_ptr<float>(), (int)T, (int)dec->hidden, (int)dec->intermediate, dec->layers.data() + first_layer, (int)n_layers,
         (float)dec->eps, (int)dec->heads, (int)dec->kv_heads, (int)dec->head_dim, (int)dec->block_size,
         dec->cache_dtype == at::kBFloat16, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
         (int)n, q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(), ctx_len.data_ptr<int32_t>(),
@@ -503,7 +503,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
     m.def("row_topk(Tensor x, int k, int isa) -> Tensor");
     m.def("decoder_forward(__torch__.torch.classes.specserve.Decoder decoder, Tensor x, int n_layers, Tensor cos, "
           "Tensor sin, Tensor slots, Tensor q_start, Tensor q_len, Tensor ctx_len, Tensor tables, Tensor table_off, "
-          "Tensor masks, Tensor mask_off, float scale) -> Tensor");
+          "Tensor masks, Tensor mask_off, float scale, int first_layer=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {

@@ -55,7 +55,8 @@ class ModelRunner:
         self.attention = attention
 
     def execute(
-        self, batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree] | None = None, all_hidden: bool = False
+        self, batch: tuple[ScheduledSeq, ...], drafts: dict[int, DraftTree] | None = None, all_hidden: bool = False,
+        feature_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """Run one forward over a scheduled batch, with draft trees for some decodes.
 
@@ -64,7 +65,7 @@ class ModelRunner:
         None when the item does not sample this step: one row for a plain step, 1 + len(tree) rows
         (root, then each node) for a step carrying a draft, one per token for a prefill chunk whose
         prompt logprobs are asked (`ScheduledSeq.prompt_logprobs`). `all_hidden`: also every new token's
-        hidden state (for drafters that learn from them).
+        hidden state (for drafters that learn from them), after those of `feature_layers` (`run`).
         """
         drafts = drafts or {}
         items: list[ForwardItem] = []
@@ -84,21 +85,26 @@ class ModelRunner:
                     seq.block_table, start, seq.token_slice(start, start + sched.num_new_tokens),
                     logits="all" if sched.prompt_logprobs else "last" if sched.samples else "none",
                 ))
-        return self.run(items, all_hidden=all_hidden)
+        return self.run(items, all_hidden=all_hidden, feature_layers=feature_layers)
 
     @torch.inference_mode()
-    def run(self, items: list[ForwardItem], num_layers: int | None = None, all_hidden: bool = False) -> ForwardOutput:
+    def run(self, items: list[ForwardItem], num_layers: int | None = None, all_hidden: bool = False,
+            feature_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Forward `items` through the model (or its first `num_layers` layers, as a self-drafter);
         returns logits and hidden states for the requested rows and each item's (first row, count)
-        or None."""
+        or None. With `all_hidden`, every new token's final-normed hidden state as well, preceded
+        (columns) by the normed residual stream after each of `feature_layers` layers:
+        [T, (len(feature_layers) + 1) * hidden]."""
         input_ids, positions, slots, logit_idx, rows = self._flatten(items)
         attn = PlannedAttention(self.attention, self.attention.plan(self._attention_batch(items, slots), self.device))
         with self.attention.kernels():
-            every = self.model(input_ids, positions, self.kv_cache, attn, num_layers=num_layers)
+            every, features = self.model.forward_features(input_ids, positions, self.kv_cache, attn,
+                                                          num_layers=num_layers, feature_layers=feature_layers)
         hidden = every[logit_idx]
         if not all_hidden:
             return ForwardOutput(self.model.compute_logits(hidden), hidden, rows)
         offsets = tuple(itertools.accumulate((len(it.tokens) for it in items[:-1]), initial=0))
+        every = torch.cat((*features, every), dim=-1) if features else every
         return ForwardOutput(self.model.compute_logits(hidden), hidden, rows, every, offsets)
 
     def copy_slots(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:

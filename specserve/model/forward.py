@@ -18,6 +18,7 @@ class ForwardOutput:
         learned drafter drafts from them)
     rows: per item, (first row, number of rows) into both, or None when the item asked for none
     all_hidden: [T, hidden] the final-normed hidden states of every new token, when asked for
+        (preceded by those of the feature layers asked for: [T, (layers + 1) * hidden])
     offsets: per item, its first token's row in `all_hidden`
     """
 

@@ -208,17 +208,40 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for every new token. With `num_layers`, only the
         first that many layers run (self-speculation by layer skipping) and write their K/V."""
+        return self.forward_features(input_ids, positions, kv_caches, attn, num_layers)[0]
+
+    def forward_features(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        attn: PlannedAttention,
+        num_layers: int | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`'s hidden states, and for each n in `feature_layers` the residual stream after
+        the first n layers through the final norm [T, hidden] (the low and middle layers' features
+        an EAGLE-3-style head fuses with the last)."""
+        n = len(self.layers) if num_layers is None else num_layers
+        for f in feature_layers:
+            if not 1 <= f <= n:
+                raise ValueError(f"feature_layers: {f} is not among the {n} layers that run")
         x = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)
-        n = len(self.layers) if num_layers is None else num_layers
         native = self._native(kv_caches, x)
         meta = attn.native_metadata() if native is not None else None
-        if native is not None and meta is not None:  # a small step: every layer in one native call
-            x = native(x, n, rope[0], rope[1], meta, attn.backend.scale)
-        else:
-            for layer, kv in zip(self.layers[:n], kv_caches):
-                x = layer(x, rope, kv, attn)
-        return self.norm(x)
+        by_layer: dict[int, torch.Tensor] = {}
+        done = 0
+        for stop in sorted(set(feature_layers) | {n}):
+            if native is not None and meta is not None:  # a small step: the layers in one native call
+                x = native(x, stop - done, rope[0], rope[1], meta, attn.backend.scale, done)
+            else:
+                for layer, kv in zip(self.layers[done:stop], kv_caches[done:stop]):
+                    x = layer(x, rope, kv, attn)
+            done = stop
+            if stop in feature_layers:
+                by_layer[stop] = self.norm(x)
+        return self.norm(x), [by_layer[f] for f in feature_layers]
 
     def kernels_changed(self) -> None:
         """Call after replacing a projection's kernel: the native layer loop is rebuilt from them."""

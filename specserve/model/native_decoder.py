@@ -74,8 +74,9 @@ class NativeDecoder:
         return NativeDecoder(decoder, eps)
 
     def __call__(self, x: torch.Tensor, num_layers: int, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
-                 scale: float) -> torch.Tensor:
-        """x: [T, hidden] float32 embeddings; returns the residual stream after `num_layers` layers."""
+                 scale: float, first_layer: int = 0) -> torch.Tensor:
+        """x: [T, hidden] float32 residual stream entering layer `first_layer`; returns it after
+        `num_layers` layers from there."""
         return torch.ops.specserve.decoder_forward(
             self._decoder, x, num_layers, cos, sin, meta.slot_mapping, meta.q_start, meta.q_len, meta.ctx_len,
-            meta.tables, meta.table_off, meta.masks, meta.mask_off, scale)
+            meta.tables, meta.table_off, meta.masks, meta.mask_off, scale, first_layer)
