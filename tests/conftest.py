@@ -171,11 +171,13 @@ def write_random_head(target: Path, out: Path, seed: int = 0, draft_vocab: int |
     return out
 
 
-def write_copy_head(target: Path, out: Path) -> Path:
+def write_copy_head(target: Path, out: Path, fused: bool = False) -> Path:
     """A head that computes what the one-layer HF model at `target` computes: fc passes the next
     token's embedding through, and the layer is the target's own. Row j (feature f_j, token t_{j+1})
     then gives the target's output at t_{j+1} up to the final norm (whose weights are ones), so its
-    drafts are the target's choices, save for what the first token adds to the target's attention."""
+    drafts are the target's choices, save for what the first token adds to the target's attention.
+    `fused`: an EAGLE-3-style head reading the state after layer 1 beside the last (the same state
+    here), its `fuse` keeping the last."""
     import json
 
     from safetensors.torch import load_file
@@ -187,10 +189,12 @@ def write_copy_head(target: Path, out: Path) -> Path:
     assert cfg.num_layers == 1
     hf = load_file(str(target / "model.safetensors"))
     assert torch.equal(hf["model.norm.weight"], torch.ones(cfg.hidden_size))
-    c = HeadConfig.for_target(cfg, target=str(target))
+    c = HeadConfig.for_target(cfg, target=str(target), feature_layers=(1,) if fused else ())
     head = EagleHead(HeadConfig(**{**c.__dict__, "input_norm": True}), cfg.rope_theta)
     state = {k[len("model."):]: v for k, v in hf.items() if k.startswith("model.layers.0.")}
     eye = torch.eye(cfg.hidden_size)
+    if fused:
+        state["fuse.weight"] = torch.cat((torch.zeros_like(eye), eye), dim=1)
     state["fc.weight"] = torch.cat((eye, torch.zeros_like(eye)), dim=1)
     state["fc.bias"] = torch.zeros(cfg.hidden_size)
     state["vocab_ids"] = torch.arange(cfg.vocab_size)

@@ -163,7 +163,8 @@ class EngineCore:
         rows = step_rows(batch)
         drafts = self.speculator.propose(self._decodes(batch), _shape(batch), sum(it.samples for it in batch),
                                          waiting=len(self.scheduler.waiting))
-        out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden)
+        out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden,
+                                  feature_layers=self.speculator.feature_layers)
         for i, row in enumerate(rows):
             row.tree, row.logits = drafts.get(i), out.rows[i]
             if row.item.prompt_logprobs:  # every row of the chunk: prompt logprobs, then the last one samples

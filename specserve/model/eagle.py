@@ -53,8 +53,14 @@ class HeadConfig:
     fc_bias: bool = True
     input_norm: bool = False
     target: str = ""  # what it was trained for, for the record
+    # EAGLE-3's fused features: the target's residual stream after each of these many layers
+    # (final-normed) joins the last layer's state, [low, mid, .., last] -> `fuse` -> hidden
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(f) for f in self.feature_layers))
+        if any(f < 1 for f in self.feature_layers) or len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ValueError(f"draft head: feature_layers must be distinct layer counts >= 1, got {self.feature_layers}")
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
                      "draft_vocab_size"):
             if getattr(self, name) < 1:
@@ -65,13 +71,14 @@ class HeadConfig:
             raise ValueError(f"draft head: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
 
     @staticmethod
-    def for_target(cfg: ModelConfig, draft_vocab_size: int | None = None, target: str = "") -> "HeadConfig":
+    def for_target(cfg: ModelConfig, draft_vocab_size: int | None = None, target: str = "",
+                   feature_layers: tuple[int, ...] = ()) -> "HeadConfig":
         """A head shaped like one layer of the target."""
         return HeadConfig(
             hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
             draft_vocab_size=min(draft_vocab_size or cfg.vocab_size, cfg.vocab_size), rms_norm_eps=cfg.rms_norm_eps,
-            target=target,
+            target=target, feature_layers=feature_layers,
         )
 
     def check_fits(self, cfg: ModelConfig, option: str = "draft_model") -> None:
@@ -82,6 +89,10 @@ class HeadConfig:
             if mine != theirs:
                 raise ValueError(f"{option}: the draft head's {what} is {mine} but the target's is {theirs}; "
                                  f"it was trained for another model ({self.target or 'unknown'})")
+        if any(f > cfg.num_layers for f in self.feature_layers):
+            raise ValueError(f"{option}: the draft head reads the target's states after layers {self.feature_layers} "
+                             f"but the target has {cfg.num_layers}; it was trained for another model "
+                             f"({self.target or 'unknown'})")
 
 
 class _Attention(nn.Module):
@@ -123,6 +134,8 @@ class EagleHead(nn.Module):
         self.config = config
         c = config
         self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)
+        if c.feature_layers:
+            self.fuse = Linear((len(c.feature_layers) + 1) * c.hidden_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList([_Layer(c)])
         for m in self.modules():  # nn.Linear's initialisation (the projections' kernels come later, for serving)
             if isinstance(m, Linear):
@@ -139,10 +152,19 @@ class EagleHead(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def target_features(self, states: torch.Tensor) -> torch.Tensor:
+        """What the head reads [..., H] from the target's states at a token: the last layer's
+        [..., H] as it is; with `feature_layers`, [..., (layers + 1) * H] fused into one."""
+        width = (len(self.config.feature_layers) + 1) * self.config.hidden_size
+        if states.shape[-1] != width:
+            raise ValueError(f"draft head: the target's states have {states.shape[-1]} columns, the head reads {width}")
+        return self.fuse(states) if self.config.feature_layers else states
+
     def forward(
         self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        """features, embeds: [..., H]; positions: [...]. Returns the predicted next features [..., H]."""
+        """features (the target's, through `target_features`, or the head's own outputs), embeds:
+        [..., H]; positions: [...]. Returns the predicted next features [..., H]."""
         layer = self.layers[0]
         attn = layer.self_attn
         hq, hkv, d = attn.shape
@@ -251,7 +273,7 @@ def load_head(path: str | Path, rope_theta: float = 10000.0, rope_scaling: Any =
         config = HeadConfig(**fields)
     else:
         config = _eagle_config(raw, state)
-    state = {k: v for k, v in state.items() if k.startswith(("fc.", "layers.0.")) or k == "vocab_ids"}
+    state = {k: v for k, v in state.items() if k.startswith(("fc.", "fuse.", "layers.0.")) or k == "vocab_ids"}
     if "vocab_ids" not in state:
         state["vocab_ids"] = torch.arange(config.draft_vocab_size)
     head = EagleHead(config, rope_theta, rope_scaling)

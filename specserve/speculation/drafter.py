@@ -73,6 +73,9 @@ class Drafter(ABC):
     stops_by_value: bool = False
     #: whether `features` should get the target's hidden states of committed tokens
     wants_hidden: bool = False
+    #: the layers (counted from the input: the residual stream after that many) whose normed
+    #: states `features` gets before the final one's, for heads that fuse several (EAGLE-3)
+    feature_layers: tuple[int, ...] = ()
     #: seconds of the last `propose` spent catching up on tokens the drafter had not seen for more
     #: than a step (a draft model fed a prompt, or the steps decoded plainly since it last drafted):
     #: what keeping it in step costs, not what its drafts cost (the speculator does not count it
@@ -104,7 +107,8 @@ class Drafter(ABC):
 
     def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """The target's final-normed hidden states [n, H] at positions start .. start + n - 1 of the
-        request, all committed (computed again after a preemption: they replace what was there)."""
+        request, all committed (computed again after a preemption: they replace what was there);
+        [n, (len(feature_layers) + 1) * H] with feature layers, the final one's columns last."""
 
     def finish(self, request_id: str, view: RequestView) -> None:
         """The request left the engine (finished or aborted); `view` is its final state."""

@@ -676,6 +676,14 @@ class Speculator:
         """Whether a drafter learns from the target's hidden states (the runner then keeps them)."""
         return self.enabled and any(d.wants_hidden for d in self.drafters.values())
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The layers whose states the hidden-state drafter reads besides the last (a speculator
+        builds at most one such drafter: the EAGLE head)."""
+        if not self.wants_hidden:
+            return ()
+        return next((d.feature_layers for d in self.drafters.values() if d.wants_hidden), ())
+
     def features(self, committed: list[tuple[str, int, torch.Tensor]]) -> None:
         """The target's hidden states of the tokens this step commits, per request: (request id,
         position of the first, [n, hidden]); handed to the drafters that draft from them."""

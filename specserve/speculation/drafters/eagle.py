@@ -1,7 +1,8 @@
 """EAGLE-style drafting: a learned head over the target's hidden states, a dynamic tree (EAGLE-2).
 
 Each request keeps a small K/V cache of the head's own (one layer). The target's final hidden
-states of every token it commits reach the drafter through `features`; before drafting, the head
+states of every token it commits (with a fusing head, also those of its `feature_layers`, fused
+as they arrive) reach the drafter through `features`; before drafting, the head
 catches up on them (one batched forward for all requests: row j reads (f_j, t_{j+1})), and its
 last row predicts the root's hidden state, whose LM-head logits give the first draft tokens. Then,
 depth by depth, one batched forward over the nodes being expanded.
@@ -124,6 +125,7 @@ class EagleDrafter(Drafter):
         self.top_k = top_k
         self.max_depth = max_depth
         c = head.config
+        self.feature_layers = c.feature_layers
         self._kv_shape = (c.num_kv_heads, c.head_dim)
         self._sides: dict[str, _Side] = {}
 
@@ -132,7 +134,8 @@ class EagleDrafter(Drafter):
 
     # -- what the target computed ------------------------------------------------------------------
     def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
-        hidden = hidden.detach().float()
+        with torch.inference_mode():
+            hidden = self.head.target_features(hidden.detach().float())
         side = self._sides.get(request_id)
         if side is None:
             kvh, d = self._kv_shape
