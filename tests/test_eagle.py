@@ -70,6 +70,46 @@ def test_trainer_learns_and_resumes(tiny_llama: Path, tmp_path: Path) -> None:
     assert choices.shape == argmax.shape and (choices == argmax).float().mean() > 0.99
 
 
+def test_a_fusing_head_trains_on_states_added_to_an_earlier_feature_store(tiny_llama: Path, tmp_path: Path) -> None:
+    """--feature-layers (EAGLE-3's fused features): a run over the feature store of a run without
+    them adds the states after those layers to its shards, the same a fresh run stores, beside the
+    unchanged last-layer states; the head fuses them, learns and serves. A value that names no
+    layers of the target is an error naming the field."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import load_file
+
+    roots = [tmp_path / name for name in ("plain", "fresh")]
+    for root in roots:
+        root.mkdir()
+    plain = DrafterTrainer(_train_config(tiny_llama, roots[0]))
+    plain.answers()
+    plain.features()
+    fresh = DrafterTrainer(dataclasses.replace(_train_config(tiny_llama, roots[1]), feature_layers="1"))
+    fresh.answers()
+    fresh.features()
+    upgraded = dataclasses.replace(_train_config(tiny_llama, roots[0]), out=str(tmp_path / "upgraded"), feature_layers="1",
+                                   epochs=4)
+    shutil.copytree(roots[0] / "head" / "data", tmp_path / "upgraded" / "data")
+    head = DrafterTrainer(upgraded).run()
+    shard = "features-00000.safetensors"
+    a, b = load_file(str(head / "data" / shard)), load_file(str(roots[1] / "head" / "data" / shard))
+    assert torch.equal(a["hidden"], load_file(str(roots[0] / "head" / "data" / shard))["hidden"])
+    assert a["aux"].shape == a["hidden"].shape and a["aux_layers"].tolist() == [1]
+    assert torch.allclose(a["aux"].float(), b["aux"].float(), atol=1e-3)
+    assert torch.allclose(a["hidden"].float(), b["hidden"].float(), atol=1e-3)
+    log = [json.loads(line) for line in (head / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.9 * log[0]["loss"], "training must lower the loss"
+    assert load_head(head).config.feature_layers == (1,)
+    llm = LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(head), num_tokens=4, controller="fixed"))
+    assert llm.generate("abc", GREEDY, use_tqdm=False)[0].token_ids and llm.engine.draft_totals.proposed > 0
+    with pytest.raises(ValueError, match="^feature_layers"):
+        dataclasses.replace(upgraded, feature_layers="low")
+    with pytest.raises(ValueError, match="^feature_layers: '2' gives layers"):
+        DrafterTrainer(dataclasses.replace(upgraded, feature_layers="2")).train()
+
+
 def test_bfloat16_training_learns_and_keeps_float32_weights(tiny_llama: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """--precision bfloat16 runs the head's matmuls in bfloat16 under autocast (half the step on
@@ -141,6 +181,22 @@ def test_eagle_greedy_is_plain_decoding(
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
+def test_a_head_fusing_several_layers_drafts_from_what_the_target_computed(
+    one_layer: tuple[Path, Path], chat_prompts: list[list[int]], plain: list[list[int]], tmp_path: Path
+) -> None:
+    """An EAGLE-3-style head (the target's states after layer 1 and the last, fused) gets both
+    from every step and drafts from them: the copy head, fusing, is accepted as often as without,
+    and the output is plain decoding's."""
+    target, _ = one_layer
+    head = write_copy_head(target, tmp_path / "fused", fused=True)
+    llm = LLM(str(target), speculative=dict(method="eagle", draft_model=str(head), num_tokens=6, controller="fixed"))
+    assert llm.engine.speculator.feature_layers == (1,)
+    assert [o.token_ids for o in llm.generate(chat_prompts, GREEDY, use_tqdm=False)] == plain
+    totals = llm.engine.draft_totals
+    first, second = totals.accepted_per_position[:2]
+    assert first > 0.8 * totals.steps and second > 0.6 * first, "a fused head computing the target's outputs"
+
+
 def test_untrained_head_with_a_vocabulary_subset_is_still_lossless(
     one_layer: tuple[Path, Path], chat_prompts: list[list[int]], plain: list[list[int]], tmp_path: Path
 ) -> None:
@@ -171,10 +227,11 @@ def test_eagle_sampling_matches_exact_distribution(small_vocab_head: tuple[Path,
     assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
 
 
-def _head(hidden: int = 64, vocab: int = 258) -> EagleHead:
+def _head(hidden: int = 64, vocab: int = 258, feature_layers: tuple[int, ...] = ()) -> EagleHead:
     torch.manual_seed(0)
     return EagleHead(HeadConfig(hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
-                                intermediate_size=128, vocab_size=vocab, draft_vocab_size=vocab)).eval()
+                                intermediate_size=128, vocab_size=vocab, draft_vocab_size=vocab,
+                                feature_layers=feature_layers)).eval()
 
 
 def _out(head: EagleHead) -> torch.Tensor:
@@ -252,18 +309,21 @@ def test_a_greedy_tree_keeps_the_budget_most_probable_paths() -> None:
     assert tree.scores == (0.6, 0.3, 0.9, 0.8)
 
 
-def test_training_passes_compute_what_drafting_computes() -> None:
+@pytest.mark.parametrize("feature_layers", [(), (1, 3)], ids=["last-layer", "fused"])
+def test_training_passes_compute_what_drafting_computes(feature_layers: tuple[int, ...]) -> None:
     """Training-time test (EAGLE-3): pass k of training, at the row of a depth-(k - 1) draft node,
     computes the head output drafting computes for that node, reading the head's own predicted
     features and attending to the target-fed rows and the node's own chain only. With the earlier
     passes' rows attended causally instead (a head trained on contexts it never drafts in), the
-    depth-2 and deeper nodes differ."""
+    depth-2 and deeper nodes differ. A head fusing several layers' states does the same with the
+    target's states fused (in training as the batch is read, in serving as they arrive)."""
     from specserve.sampling_params import SamplingParams as SP
     from specserve.speculation.drafter import DraftRequest, RequestView
     from specserve.speculation.drafters.eagle import EagleDrafter
     from specserve.train.drafter import head_passes
 
-    head = _head()
+    head = _head(feature_layers=feature_layers)
+    width = 64 * (len(feature_layers) + 1)
     g = torch.Generator().manual_seed(3)
     emb = torch.randn(258, 64, generator=g)
     readout = torch.nn.Linear(64, 258, bias=False)
@@ -271,7 +331,7 @@ def test_training_passes_compute_what_drafting_computes() -> None:
     drafter = EagleDrafter(head, lambda ids: emb[ids], 258, readout, torch.Generator(), top_k=1, max_depth=4)
     m = 9
     prompt = tuple(torch.randint(0, 258, (m + 1,), generator=g).tolist())
-    feats = torch.randn(m, 64, generator=g)
+    feats = torch.randn(m, width, generator=g)
     drafter.features("r", 0, feats)
     with torch.no_grad():
         work = drafter._catch_up([DraftRequest(RequestView("r", prompt, (), SP(temperature=0)), budget=4)])["r"]
@@ -281,7 +341,7 @@ def test_training_passes_compute_what_drafting_computes() -> None:
     assert [n.depth for n in chain] == [1, 2, 3, 4]
     seq = list(prompt) + [n.token for n in chain]
     length = len(seq) - 1
-    f = torch.zeros(1, length, 64)
+    f = torch.zeros(1, length, width)
     f[0, :m] = feats
     e = emb[torch.tensor(seq[1:])].unsqueeze(0)
     with torch.no_grad():

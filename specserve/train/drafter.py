@@ -62,6 +62,9 @@ class TrainConfig:
     own_feature_weight: float = 0.5  # each pass on the head's own features (0: none)
     own_feature_passes: int = 1  # passes on the head's own features: pass k trains drafting depth k + 1
     answer_only: bool = False  # token loss on answer tokens only (else everywhere, on the target's choice)
+    # EAGLE-3's fused features: the target's states after these layers join the last one's, as
+    # "2,14" (layer counts from the input), "auto" (2 and half the layers) or "" (the last only)
+    feature_layers: str = ""
     eval_fraction: float = 0.05
     eval_every: int = 50  # steps
     gen_batch: int = 32
@@ -84,6 +87,22 @@ class TrainConfig:
         if self.precision not in ("float32", "bfloat16"):
             raise ValueError(f"precision: must be float32 or bfloat16, got {self.precision!r}")
         data_parts(self.data, self.num_prompts)  # raises on a malformed mixture
+        if self.feature_layers not in ("", "auto") and not re.fullmatch(r"\d+(,\d+)*", self.feature_layers):
+            raise ValueError(f"feature_layers: a comma-separated list of layer counts, 'auto' or '', "
+                             f"got {self.feature_layers!r}")
+
+
+def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """The layer counts `spec` names for a target of `num_layers` layers (`TrainConfig.feature_layers`):
+    "auto" is EAGLE-3's low and middle layers, 2 and num_layers // 2."""
+    if spec == "":
+        return ()
+    layers = sorted({min(2, num_layers - 1), num_layers // 2} - {0}) if spec == "auto" else \
+        [int(x) for x in spec.split(",")]
+    if any(not 1 <= f < num_layers for f in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"feature_layers: {spec!r} gives layers {layers}; the target has {num_layers} "
+                         f"(each in 1 .. {num_layers - 1}, distinct)")
+    return tuple(layers)
 
 
 def data_parts(data: str, num_prompts: int) -> list[tuple[str, int]]:
@@ -199,39 +218,71 @@ class DrafterTrainer:
     SHARD = 64
 
     def features(self) -> list[Path]:
-        from safetensors.torch import save_file
+        """Shards of the target's states over prompt + answer: "hidden" (the last layer's, final-normed)
+        and, with `feature_layers`, "aux" (the normed states after those layers, side by side) with
+        "aux_layers". A shard written without the aux states a run now asks for gets them added (a
+        forward through the layers up to the highest alone)."""
+        from safetensors.torch import load_file, save_file
         from tqdm import tqdm
 
+        layers = self._feature_layers()
         rows = [json.loads(line) for line in (self.data / "answers.jsonl").read_text().splitlines()]
         shards = [self.data / f"features-{i // self.SHARD:05d}.safetensors" for i in range(0, len(rows), self.SHARD)]
-        todo = [(i, s) for i, s in enumerate(shards) if not s.exists()]
+        todo = [(i, s) for i, s in enumerate(shards) if not s.exists() or (layers and not self._has_aux(s, layers))]
         start = time.perf_counter()
         for i, shard in tqdm(todo, desc="features", unit="shard"):
             part = rows[i * self.SHARD : (i + 1) * self.SHARD]
-            hidden, tokens, lengths, prompt_lengths = [], [], [], []
+            if shard.exists():  # add the aux states to a shard that has the rest
+                saved = load_file(str(shard))
+                aux = [self._states(row["prompt"] + row["answer"], layers, num_layers=max(layers))[:, :-self._width]
+                       for row in part]
+                save_file({**saved, "aux": torch.cat(aux).to(torch.float16),
+                           "aux_layers": torch.tensor(layers, dtype=torch.int32)}, str(shard))
+                continue
+            states, tokens, lengths, prompt_lengths = [], [], [], []
             for row in part:
                 ids = row["prompt"] + row["answer"]
-                hidden.append(self._hidden(ids).to(torch.float16).cpu())
+                states.append(self._states(ids, layers).to(torch.float16).cpu())
                 tokens.extend(ids)
                 lengths.append(len(ids))
                 prompt_lengths.append(len(row["prompt"]))
-            save_file({
-                "hidden": torch.cat(hidden), "tokens": torch.tensor(tokens, dtype=torch.int32),
+            every = torch.cat(states)
+            tensors = {
+                "hidden": every[:, -self._width :].contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int32),
                 "lengths": torch.tensor(lengths, dtype=torch.int32),
                 "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int32),
-            }, str(shard))
+            }
+            if layers:
+                tensors["aux"] = every[:, : -self._width].contiguous()
+                tensors["aux_layers"] = torch.tensor(layers, dtype=torch.int32)
+            save_file(tensors, str(shard))
         if todo:
             self._note("features_seconds", time.perf_counter() - start)
         return shards
 
-    def _hidden(self, ids: list[int]) -> torch.Tensor:
-        """The target's final-normed hidden state at every token of `ids` [n, H], from the
-        engine's own forward (the features serving will see). Writes K/V into blocks no request
-        holds (none runs now; prefix caching is off)."""
+    @property
+    def _width(self) -> int:
+        return self.llm.engine.model.config.hidden_size
+
+    def _feature_layers(self) -> tuple[int, ...]:
+        return feature_layers(self.c.feature_layers, self.llm.engine.model.config.num_layers)
+
+    @staticmethod
+    def _has_aux(shard: Path, layers: tuple[int, ...]) -> bool:
+        from safetensors import safe_open
+
+        with safe_open(str(shard), "pt") as f:
+            return "aux_layers" in f.keys() and tuple(f.get_tensor("aux_layers").tolist()) == layers
+
+    def _states(self, ids: list[int], layers: tuple[int, ...], num_layers: int | None = None) -> torch.Tensor:
+        """The target's final-normed states at every token of `ids`, from the engine's own forward
+        (the features serving will see): [n, (len(layers) + 1) * H], the normed states after each of
+        `layers` first, then the last layer's (or, with `num_layers`, the state after that many).
+        Writes K/V into blocks no request holds (none runs now; prefix caching is off)."""
         runner = self.llm.engine.runner
         bs = runner.block_size
         table = list(range(-(-len(ids) // bs)))
-        out = runner.run([ForwardItem(table, 0, ids)], all_hidden=True)
+        out = runner.run([ForwardItem(table, 0, ids)], num_layers=num_layers, all_hidden=True, feature_layers=layers)
         assert out.all_hidden is not None
         return out.all_hidden
 
@@ -245,7 +296,12 @@ class DrafterTrainer:
         shards = sorted(self.data.glob("features-*.safetensors"))
         if not shards:
             raise ValueError(f"out: no features in {self.data}; the answers stage produced nothing")
+        layers = self._feature_layers()
         parts = [load_file(str(s)) for s in shards]
+        for s, p in zip(shards, parts):
+            if layers and tuple(p.get("aux_layers", torch.zeros(0)).tolist()) != layers:
+                raise ValueError(f"feature_layers: {s} holds no states for layers {layers}; run the features stage")
+        aux = torch.cat([p["aux"] for p in parts]) if layers else None
         hidden = torch.cat([p["hidden"] for p in parts])
         tokens = torch.cat([p["tokens"] for p in parts]).long()
         lengths = torch.cat([p["lengths"] for p in parts]).tolist()
@@ -261,7 +317,7 @@ class DrafterTrainer:
         target = self.llm.engine.model
         cfg = target.config
         vocab_ids = self._draft_vocab(tokens, samples, cfg.vocab_size)
-        head_cfg = HeadConfig.for_target(cfg, len(vocab_ids), target=c.model)
+        head_cfg = HeadConfig.for_target(cfg, len(vocab_ids), target=c.model, feature_layers=layers)
         head = EagleHead(head_cfg, cfg.rope_theta, cfg.rope_scaling).to(c.device)
         head.vocab_ids.copy_(vocab_ids)
         embed = target.embed_tokens.weight.detach().float().to(c.device)
@@ -270,8 +326,8 @@ class DrafterTrainer:
         to_draft = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
         to_draft[vocab_ids] = torch.arange(len(vocab_ids))
         choices = None if c.answer_only else self._choices(hidden, tokens, starts, lengths, prompt_lengths, lm)
-        data = _Data(hidden, tokens, embed, to_draft, c.device, choices)
-        held_out = _Data(hidden, tokens, embed, to_draft, c.device)  # judged on answer tokens only
+        data = _Data(hidden, tokens, embed, to_draft, c.device, choices, aux)
+        held_out = _Data(hidden, tokens, embed, to_draft, c.device, aux=aux)  # judged on answer tokens only
 
         # bfloat16 matmuls (float32 weights, optimizer and losses) halve a step on CPUs with BF16
         # dot products: 9 -> 4.5 s a 2048-token step of the 1.5B's head on a 2-core Zen 4.
@@ -427,10 +483,12 @@ def _schedule(step: int, total: int) -> float:
 def head_passes(head: EagleHead, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 passes: int) -> list[torch.Tensor]:
     """The head's outputs [B, L, H] in each training pass: the first reads the target's features
-    (row j: f_j and the embedding of t_{j+1}); pass k reads at row j pass k - 1's output at row
-    j - 1 and attends as `_ChainAttend` says, so that its row j computes what drafting computes for
-    the depth-(k - 1) node t_{j+1} over the target-fed rows 0 .. j - k + 1."""
+    (row j: its states at j through `target_features`, and the embedding of t_{j+1}); pass k reads
+    at row j pass k - 1's output at row j - 1 and attends as `_ChainAttend` says, so that its row j
+    computes what drafting computes for the depth-(k - 1) node t_{j+1} over the target-fed rows
+    0 .. j - k + 1."""
     chain = _ChainAttend()
+    feats = head.target_features(feats)
     outs = [head(feats, embeds, positions, chain)]
     for _ in range(passes - 1):
         own = torch.cat((feats[:, :1], outs[-1][:, :-1]), dim=1)
@@ -479,27 +537,31 @@ class _Data:
     """Padded training batches from the flat feature store."""
 
     def __init__(self, hidden: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, to_draft: torch.Tensor,
-                 device: str, choices: torch.Tensor | None = None) -> None:
+                 device: str, choices: torch.Tensor | None = None, aux: torch.Tensor | None = None) -> None:
         self.hidden, self.tokens, self.embed, self.to_draft, self.device = hidden, tokens, embed, to_draft, device
         self.choices = choices  # the target's choice after each position: labels for every row
+        self.aux = aux  # the states after the feature layers, read with `hidden` (the target's side)
         self.last_count = 0
 
     def batch(self, batch: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
-        """Rows j = 0 .. n - 2 of each sample: features f_j, embeddings of t_{j+1}, positions; targets
-        f_{j+1} (all rows) and the draft-vocabulary index of the target's choice after j + 1: with
+        """Rows j = 0 .. n - 2 of each sample: the target's states at j (with `aux`, those after the
+        feature layers and then f_j), embeddings of t_{j+1}, positions; targets f_{j+1} (all rows) and the draft-vocabulary index of the target's choice after j + 1: with
         `choices`, at every row; else t_{j+2} where it is an answer token (-100 elsewhere, and where
         the choice is outside the draft vocabulary)."""
         length = max(n for _, n, _ in batch) - 1
         b = len(batch)
         h = self.hidden.shape[1]
-        feats = torch.zeros(b, length, h)
+        width = h + (self.aux.shape[1] if self.aux is not None else 0)
+        feats = torch.zeros(b, length, width)
         nxt = torch.zeros(b, length, h)
         ids = torch.zeros(b, length, dtype=torch.long)
         labels = torch.full((b, length), -100, dtype=torch.long)
         fmask = torch.zeros(b, length, dtype=torch.bool)
         for i, (s, n, p) in enumerate(batch):
             rows = n - 1
-            feats[i, :rows] = self.hidden[s : s + rows].float()
+            feats[i, :rows, -h:] = self.hidden[s : s + rows].float()
+            if self.aux is not None:
+                feats[i, :rows, :-h] = self.aux[s : s + rows].float()
             nxt[i, :rows] = self.hidden[s + 1 : s + n].float()
             ids[i, :rows] = self.tokens[s + 1 : s + n]
             fmask[i, :rows] = True
