@@ -211,11 +211,14 @@ def lm_head_rows(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int = 256) -
     return out
 
 
-def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention over [B, L, heads, D] (training): each row sees the rows before it."""
+def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over [B, L, heads, D] (training): causal (each row sees the rows before it), or
+    as `mask` [L, S] says (row i sees key j where it is True) for keys and values [B, S, KVH, D]."""
     rep = q.shape[-2] // k.shape[-2]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2)))
-    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True) if mask is None else \
+        F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return out.transpose(1, 2)
 
 
 def save_head(head: EagleHead, out: Path, extra: dict[str, Any] | None = None) -> None:

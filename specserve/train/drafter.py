@@ -348,6 +348,7 @@ class DrafterTrainer:
             sched.load_state_dict(state["sched"])
             step, seen = state["step"], state["seen"]
             logger.info("resuming at step %d of %d", step, total)
+        passes = c.own_feature_passes + 1 if c.own_feature_weight > 0 else 1  # the passes the loss counts
         log = (self.out / "train_log.jsonl").open("a")
         start = time.perf_counter()
         bar = tqdm(total=total, initial=step, desc="train", unit="step")
@@ -356,9 +357,9 @@ class DrafterTrainer:
             for batch in batches[step - epoch * batches_per_epoch:]:
                 head.train()
                 with amp():
-                    losses = self._losses(head, lm_rows, data, batch, noise=c.feature_noise)
+                    losses = self._losses(head, lm_rows, data, batch, passes, noise=c.feature_noise)
                     loss = losses["feature"] + c.token_weight * losses["token"]
-                    for k in range(2, c.own_feature_passes + 2 if c.own_feature_weight > 0 else 2):
+                    for k in range(2, passes + 1):
                         loss = loss + c.own_feature_weight * (losses[f"feature{k}"] + c.token_weight * losses[f"token{k}"])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -422,17 +423,17 @@ class DrafterTrainer:
         return counts.topk(self.c.draft_vocab).indices.sort().values
 
     def _losses(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data", batch: list[tuple[int, int, int]],
-                noise: float = 0.0) -> dict[str, torch.Tensor]:
+                passes: int, noise: float = 0.0) -> dict[str, torch.Tensor]:
         """Pass 1 reads the target's features; pass k > 1 reads, at row j, the head's own prediction
         of f_j from pass k - 1 (row j - 1), as drafting does when it expands a depth-(k - 1) node into
         depth k, and attends as that node does (EAGLE-3's training-time test): to the target-fed rows up to j - k + 1 and to
-        its own chain of earlier passes' rows (`_ChainAttend`). Keys: feature{k}, token{k}, acc{k}
-        (pass 1 without the number)."""
+        its own chain of earlier passes' rows (`_ChainAttend`). Keys: feature{k}, token{k}, acc{k},
+        labels{k} (how many rows acc{k} counts; pass 1 without the number)."""
         feats, embeds, positions, next_feats, labels, fmask = data.batch(batch)
         if noise > 0:
             feats = feats + (torch.rand_like(feats) * 2 - 1) * noise
-        outs = head_passes(head, feats, embeds, positions, max(2, self.c.own_feature_passes + 1))
-        names = ("feature", "token", "acc")
+        outs = head_passes(head, feats, embeds, positions, passes)
+        names = ("feature", "token", "acc", "labels")
         result = dict(zip(names, _terms(outs[0], lm_rows, next_feats, labels, fmask)))
         for k, out in enumerate(outs[1:], start=2):
             valid = torch.arange(out.shape[1], device=out.device) >= k - 1  # rows with a whole chain
@@ -453,14 +454,15 @@ class DrafterTrainer:
         head.eval()
         passes = max(2, self.c.own_feature_passes + 1)
         hits = [0.0] * passes
-        count = 0.0
+        counts = [0.0] * passes
         for batch in _batches(evals, self.c.batch_tokens, None):
-            losses = self._losses(head, lm_rows, data, batch)
-            n = float(data.last_count)
+            losses = self._losses(head, lm_rows, data, batch, passes)
             for k in range(passes):
-                hits[k] += losses["acc" if k == 0 else f"acc{k + 1}"].item() * n
-            count += n
-        accs = [h / max(count, 1) for h in hits]
+                suffix = "" if k == 0 else str(k + 1)
+                n = losses[f"labels{suffix}"].item()
+                hits[k] += losses[f"acc{suffix}"].item() * n
+                counts[k] += n
+        accs = [h / max(n, 1.0) for h, n in zip(hits, counts)]
         chain, reach = 0.0, 1.0
         for depth in range(5):
             reach *= accs[min(depth, passes - 1)]
@@ -517,20 +519,18 @@ class _ChainAttend:
         cols = torch.arange(length, device=q.device).unsqueeze(0)
         masks = [cols <= rows - passes + 1] + [cols == rows - passes + i for i in range(2, passes + 1)]
         mask = torch.cat(masks, dim=1)  # [L, passes * L]
-        keys, values = torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)
-        rep = q.shape[-2] // k.shape[-2]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, keys.repeat_interleave(rep, -2), values.repeat_interleave(rep, -2)))
-        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+        return causal_attend(q, torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1), mask)
 
 
 def _terms(out: torch.Tensor, lm_rows: torch.Tensor, next_feats: torch.Tensor, labels: torch.Tensor,
-           fmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           fmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Feature loss, token loss, top-1 accuracy and the number of labelled rows of one pass."""
     feature = F.smooth_l1_loss(out[fmask].float(), next_feats[fmask])
     keep = labels >= 0
     logits = out[keep] @ lm_rows.T
     token = F.cross_entropy(logits, labels[keep]) if logits.shape[0] else out.sum() * 0
     acc = (logits.argmax(-1) == labels[keep]).float().mean() if logits.shape[0] else out.new_zeros(())
-    return feature, token, acc
+    return feature, token, acc, keep.sum()
 
 
 class _Data:
@@ -541,7 +541,6 @@ class _Data:
         self.hidden, self.tokens, self.embed, self.to_draft, self.device = hidden, tokens, embed, to_draft, device
         self.choices = choices  # the target's choice after each position: labels for every row
         self.aux = aux  # the states after the feature layers, read with `hidden` (the target's side)
-        self.last_count = 0
 
     def batch(self, batch: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
         """Rows j = 0 .. n - 2 of each sample: the target's states at j (with `aux`, those after the
@@ -572,7 +571,6 @@ class _Data:
             lab = self.to_draft[self.tokens[s + 2 : s + n]]
             first = max(0, p - 2)
             labels[i, first : n - 2] = lab[first:]
-        self.last_count = int((labels >= 0).sum())
         positions = torch.arange(length).expand(b, length)
         dev = self.device
         return (feats.to(dev), self.embed[ids.to(dev)], positions.to(dev), nxt.to(dev), labels.to(dev),
