@@ -99,6 +99,17 @@ def test_a_fusing_head_trains_on_states_added_to_an_earlier_feature_store(tiny_l
     assert a["aux"].shape == a["hidden"].shape and a["aux_layers"].tolist() == [1]
     assert torch.allclose(a["aux"].float(), b["aux"].float(), atol=1e-3)
     assert torch.allclose(a["hidden"].float(), b["hidden"].float(), atol=1e-3)
+    # the states the generation recorded (batched, chunked, verifying drafts) are those of a forward
+    # over the sample alone, and every recorded sample ends a token before its answer does
+    answers = [json.loads(line) for line in (roots[1] / "head" / "data" / "answers.jsonl").read_text().splitlines()]
+    lengths = b["lengths"].tolist()
+    assert lengths == [len(r["prompt"]) + len(r["answer"]) - 1 for r in answers[: len(lengths)]]
+    assert fresh.llm.engine.draft_totals.accepted > 0, "some states come from verified drafts"
+    for i in range(len(lengths)):
+        first = sum(lengths[:i])
+        seq = b["tokens"][first : first + lengths[i]].tolist()
+        alone = fresh._states(seq, (1,)).to(torch.float16)
+        assert torch.equal(torch.cat((b["aux"], b["hidden"]), 1)[first : first + lengths[i]], alone), i
     log = [json.loads(line) for line in (head / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < 0.9 * log[0]["loss"], "training must lower the loss"
     assert load_head(head).config.feature_layers == (1,)
@@ -195,6 +206,8 @@ def test_a_head_fusing_several_layers_drafts_from_what_the_target_computed(
     totals = llm.engine.draft_totals
     first, second = totals.accepted_per_position[:2]
     assert first > 0.8 * totals.steps and second > 0.6 * first, "a fused head computing the target's outputs"
+    with pytest.raises(ValueError, match="^feature_layers: the drafter reads layers"):
+        llm.engine.core.record_states(lambda *args: None, ())  # a recording must ask for what the drafter reads
 
 
 def test_untrained_head_with_a_vocabulary_subset_is_still_lossless(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -42,6 +42,8 @@ from specserve.structured import GrammarCompiler
 from specserve.tokenizer import end_of_generation_ids
 
 logger = logging.getLogger("specserve.engine")
+# (request id, position of the first, the target's states [n, width]) of tokens a step committed
+StateSink = Callable[[str, int, torch.Tensor], None]
 PROMPT_LOGPROB_ROWS = 256  # prompt rows turned into log-probabilities at once (bounds the float32 copy)
 
 
@@ -123,6 +125,19 @@ class EngineCore:
         self.inputs = InputProcessor(tokenizer, model.config.vocab_size, config.max_model_len, self.blocks,
                                      self.eos_token_ids)
         self._requests: dict[str, tuple[Sequence, frozenset[int]]] = {}  # running: sequence, its stop ids
+        self._state_sink: tuple[tuple[int, ...], StateSink] | None = None
+
+    def record_states(self, sink: StateSink | None, feature_layers: tuple[int, ...] = ()) -> None:
+        """From the next step on, hand `sink` the target's states at every token a step commits, as
+        hidden-state drafters get them (`Speculator.features`: the last layer's final-normed state,
+        after those of `feature_layers`); None stops. What training a head on the model's own
+        answers needs, from the forward that generates them. A speculator whose drafter reads other
+        layers is an error naming `feature_layers`."""
+        layers = tuple(feature_layers)
+        if sink is not None and self.speculator.wants_hidden and self.speculator.feature_layers != layers:
+            raise ValueError(f"feature_layers: the drafter reads layers {self.speculator.feature_layers}, "
+                             f"the recording asks for {layers}")
+        self._state_sink = None if sink is None else (layers, sink)
 
     # -- public API ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -163,8 +178,9 @@ class EngineCore:
         rows = step_rows(batch)
         drafts = self.speculator.propose(self._decodes(batch), _shape(batch), sum(it.samples for it in batch),
                                          waiting=len(self.scheduler.waiting))
-        out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden,
-                                  feature_layers=self.speculator.feature_layers)
+        sink = self._state_sink
+        out = self.runner.execute(batch, drafts, all_hidden=self.speculator.wants_hidden or sink is not None,
+                                  feature_layers=sink[0] if sink is not None else self.speculator.feature_layers)
         for i, row in enumerate(rows):
             row.tree, row.logits = drafts.get(i), out.rows[i]
             if row.item.prompt_logprobs:  # every row of the chunk: prompt logprobs, then the last one samples
@@ -178,8 +194,13 @@ class EngineCore:
         for i, row in enumerate(rows):
             row.verdict = verdicts.get(i)
         if out.all_hidden is not None:  # before the commit moves num_computed_tokens
-            self.speculator.features([(row.seq.request_id, row.seq.num_computed_tokens, row.committed_hidden(out.all_hidden))
-                                      for row in rows if not row.failed])
+            committed = [(row.seq.request_id, row.seq.num_computed_tokens, row.committed_hidden(out.all_hidden))
+                         for row in rows if not row.failed]
+            if self.speculator.wants_hidden:
+                self.speculator.features(committed)
+            if sink is not None:
+                for request_id, start, states in committed:
+                    sink[1](request_id, start, states)
         return [output for row in rows if (output := self._finish_row(row)) is not None]
 
     def _finish_row(self, row: StepRow) -> TokenDelta | None:

@@ -4,8 +4,10 @@ Three stages, each kept in the output directory so that a stopped run resumes wh
 
 1. answers (`data/answers.jsonl`): the target's greedy answers to the prompts (self-distillation:
    the head learns what this model says, not what ChatGPT said), generated in batches;
-2. features (`data/features-*.safetensors`): one target forward over prompt + answer, keeping the
-   final-normed hidden state of every token (fp16);
+2. features (`data/features-*.safetensors`): the final-normed hidden state of every token (fp16),
+   and with `--feature-layers` those after the low and middle layers (EAGLE-3), taken from the
+   forward that generates the answers (`EngineCore.record_states`; the last answer token, never fed
+   back, is left out); a forward over prompt + answer makes what the answers stage did not;
 3. training (`checkpoint.pt`, `train_log.jsonl`): row j of the head reads (f_j, t_{j+1}) and is
    trained to predict f_{j+1} (smooth L1) and the target's choice after t_{j+1}, the argmax of its
    LM head over f_{j+1} (cross-entropy over the head's vocabulary), at every position: on answer
@@ -68,6 +70,7 @@ class TrainConfig:
     eval_fraction: float = 0.05
     eval_every: int = 50  # steps
     gen_batch: int = 32
+    spec: str = "auto"  # speculation while generating the answers (lossless: the same greedy answers)
     device: str = "cpu"
     quantization: str = "auto"
     precision: str = "float32"  # of the head's training matmuls: float32, or bfloat16 (autocast; weights stay float32)
@@ -169,6 +172,7 @@ class DrafterTrainer:
 
             self._llm = LLM(self.c.model, device=self.c.device, quantization=self.c.quantization,
                             max_num_seqs=self.c.gen_batch, enable_prefix_caching=False, seed=self.c.seed,
+                            speculative=self.c.spec,
                             max_model_len=self.c.max_prompt_tokens + self.c.max_new_tokens + 1)
         return self._llm
 
@@ -202,13 +206,30 @@ class DrafterTrainer:
                                  f"(row {i}); use another out directory")
         prompts = prompts[len(done) : self.c.num_prompts]
         params = SamplingParams(max_tokens=self.c.max_new_tokens, temperature=0.0)
-        chunk = 4 * self.c.gen_batch
+        # whole shards a chunk: the states the generation computes make each chunk's feature shards
+        chunk = self.SHARD * max(1, round(4 * self.c.gen_batch / self.SHARD))
+        record = len(done) % self.SHARD == 0
+        layers = self._feature_layers()
+        core = self.llm.engine.core
         start = time.perf_counter()
         with path.open("a") as f:
             for i in range(0, len(prompts), chunk):
-                logger.info("answers %d-%d of %d", len(done) + i, len(done) + i + len(prompts[i : i + chunk]),
-                            self.c.num_prompts)
-                for ids, o in zip(prompts[i : i + chunk], self.llm.generate(prompts[i : i + chunk], params)):
+                part = prompts[i : i + chunk]
+                logger.info("answers %d-%d of %d", len(done) + i, len(done) + i + len(part), self.c.num_prompts)
+                recorder = _StateRecorder()
+                if record:
+                    core.record_states(recorder, layers)
+                try:
+                    outs = self.llm.generate(part, params)
+                finally:
+                    core.record_states(None)
+                if record:  # the last answer token's state is never computed: its sample ends a token early
+                    seqs = [ids + o.token_ids[:-1] for ids, o in zip(part, outs)]
+                    states = [recorder.take(o.request_id, len(seq)) for o, seq in zip(outs, seqs)]
+                    for j in range(0, len(part), self.SHARD):
+                        self._save_shard(self._shard_path(len(done) + i + j), [len(ids) for ids in part[j : j + self.SHARD]],
+                                         seqs[j : j + self.SHARD], states[j : j + self.SHARD], layers)
+                for ids, o in zip(part, outs):
                     f.write(json.dumps({"prompt": ids, "answer": o.token_ids}) + "\n")
                 f.flush()
         self._note("answers_seconds", time.perf_counter() - start)
@@ -220,45 +241,64 @@ class DrafterTrainer:
     def features(self) -> list[Path]:
         """Shards of the target's states over prompt + answer: "hidden" (the last layer's, final-normed)
         and, with `feature_layers`, "aux" (the normed states after those layers, side by side) with
-        "aux_layers". A shard written without the aux states a run now asks for gets them added (a
-        forward through the layers up to the highest alone)."""
+        "aux_layers". The answers stage writes them from its own forward (without the last answer
+        token); what it did not (answers from an earlier run, a shard cut short) a forward over
+        prompt + answer computes here, and a shard without the aux states a run now asks for gets
+        them added (a forward through the layers up to the highest alone)."""
         from safetensors.torch import load_file, save_file
         from tqdm import tqdm
 
         layers = self._feature_layers()
         rows = [json.loads(line) for line in (self.data / "answers.jsonl").read_text().splitlines()]
-        shards = [self.data / f"features-{i // self.SHARD:05d}.safetensors" for i in range(0, len(rows), self.SHARD)]
-        todo = [(i, s) for i, s in enumerate(shards) if not s.exists() or (layers and not self._has_aux(s, layers))]
+        shards = [self._shard_path(i) for i in range(0, len(rows), self.SHARD)]
+        whole = [s.exists() and self._shard_rows(s) == len(rows[i * self.SHARD : (i + 1) * self.SHARD])
+                 for i, s in enumerate(shards)]
+        todo = [(i, s) for i, s in enumerate(shards) if not whole[i] or (layers and not self._has_aux(s, layers))]
         start = time.perf_counter()
         for i, shard in tqdm(todo, desc="features", unit="shard"):
             part = rows[i * self.SHARD : (i + 1) * self.SHARD]
-            if shard.exists():  # add the aux states to a shard that has the rest
+            if whole[i]:  # add the aux states to a shard that has the rest
                 saved = load_file(str(shard))
-                aux = [self._states(row["prompt"] + row["answer"], layers, num_layers=max(layers))[:, :-self._width]
-                       for row in part]
+                lengths = saved["lengths"].tolist()
+                aux = [self._states((r["prompt"] + r["answer"])[:n], layers, num_layers=max(layers))[:, : -self._width]
+                       for r, n in zip(part, lengths)]
                 save_file({**saved, "aux": torch.cat(aux).to(torch.float16),
                            "aux_layers": torch.tensor(layers, dtype=torch.int32)}, str(shard))
                 continue
-            states, tokens, lengths, prompt_lengths = [], [], [], []
-            for row in part:
-                ids = row["prompt"] + row["answer"]
-                states.append(self._states(ids, layers).to(torch.float16).cpu())
-                tokens.extend(ids)
-                lengths.append(len(ids))
-                prompt_lengths.append(len(row["prompt"]))
-            every = torch.cat(states)
-            tensors = {
-                "hidden": every[:, -self._width :].contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int32),
-                "lengths": torch.tensor(lengths, dtype=torch.int32),
-                "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int32),
-            }
-            if layers:
-                tensors["aux"] = every[:, : -self._width].contiguous()
-                tensors["aux_layers"] = torch.tensor(layers, dtype=torch.int32)
-            save_file(tensors, str(shard))
+            seqs = [r["prompt"] + r["answer"] for r in part]
+            self._save_shard(shard, [len(r["prompt"]) for r in part], seqs, [self._states(ids, layers) for ids in seqs],
+                             layers)
         if todo:
             self._note("features_seconds", time.perf_counter() - start)
         return shards
+
+    def _shard_path(self, row: int) -> Path:
+        return self.data / f"features-{row // self.SHARD:05d}.safetensors"
+
+    def _save_shard(self, path: Path, prompt_lengths: list[int], seqs: list[list[int]], states: list[torch.Tensor],
+                    layers: tuple[int, ...]) -> None:
+        """One shard: per sample its tokens and the target's states at them ([n, (len(layers) + 1) * H])."""
+        from safetensors.torch import save_file
+
+        every = torch.cat([s.to(torch.float16).cpu() for s in states])
+        width = self._width
+        tensors = {
+            "hidden": every[:, -width:].contiguous(),
+            "tokens": torch.tensor([t for seq in seqs for t in seq], dtype=torch.int32),
+            "lengths": torch.tensor([len(seq) for seq in seqs], dtype=torch.int32),
+            "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int32),
+        }
+        if layers:
+            tensors["aux"] = every[:, :-width].contiguous()
+            tensors["aux_layers"] = torch.tensor(layers, dtype=torch.int32)
+        save_file(tensors, str(path))
+
+    @staticmethod
+    def _shard_rows(shard: Path) -> int:
+        from safetensors import safe_open
+
+        with safe_open(str(shard), "pt") as f:
+            return int(f.get_slice("lengths").get_shape()[0])
 
     @property
     def _width(self) -> int:
@@ -474,6 +514,35 @@ class DrafterTrainer:
         notes = json.loads(path.read_text()) if path.exists() else {}
         notes[key] = notes.get(key, 0.0) + value
         path.write_text(json.dumps(notes, indent=2) + "\n")
+
+
+class _StateRecorder:
+    """The target's states per request as the engine commits them (`EngineCore.record_states`),
+    kept in float16; a recomputed stretch (a preempted request) replaces what was there."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def __call__(self, request_id: str, start: int, states: torch.Tensor) -> None:
+        chunks = self._chunks.setdefault(request_id, [])
+        while chunks and chunks[-1][0] >= start:
+            chunks.pop()
+        if chunks and chunks[-1][0] + chunks[-1][1].shape[0] > start:
+            first, kept = chunks[-1]
+            chunks[-1] = (first, kept[: start - first])
+        chunks.append((start, states.to(torch.float16).cpu()))
+
+    def take(self, request_id: str, n: int) -> torch.Tensor:
+        """The request's states at positions 0 .. n - 1 [n, width] (and forgets the request)."""
+        chunks = self._chunks.pop(request_id, [])
+        end = 0
+        for first, states in chunks:
+            if first != end:
+                raise ValueError(f"request {request_id}: no states recorded for positions {end} .. {first - 1}")
+            end += states.shape[0]
+        if end < n:
+            raise ValueError(f"request {request_id}: states recorded for {end} positions, {n} needed")
+        return torch.cat([t for _, t in chunks])[:n]
 
 
 def _schedule(step: int, total: int) -> float:
