@@ -322,6 +322,17 @@ def test_a_greedy_tree_keeps_the_budget_most_probable_paths() -> None:
     assert tree.scores == (0.6, 0.3, 0.9, 0.8)
 
 
+def test_a_fusing_head_starts_as_the_head_without_fusion() -> None:
+    """A new fusing head passes the last layer's state through and is otherwise initialised as a
+    head without fusion from the same seed: training starts where the last-layer head does and
+    learns what the other layers add."""
+    plain, fused = _head(), _head(feature_layers=(1, 3))
+    ref = plain.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in fused.state_dict().items() if k in ref)
+    states = torch.randn(5, 3 * 64)
+    assert torch.equal(fused.target_features(states), states[:, -64:])
+
+
 @pytest.mark.parametrize("feature_layers", [(), (1, 3)], ids=["last-layer", "fused"])
 def test_training_passes_compute_what_drafting_computes(feature_layers: tuple[int, ...]) -> None:
     """Training-time test (EAGLE-3): pass k of training, at the row of a depth-(k - 1) draft node,

@@ -134,8 +134,6 @@ class EagleHead(nn.Module):
         self.config = config
         c = config
         self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)
-        if c.feature_layers:
-            self.fuse = Linear((len(c.feature_layers) + 1) * c.hidden_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList([_Layer(c)])
         for m in self.modules():  # nn.Linear's initialisation (the projections' kernels come later, for serving)
             if isinstance(m, Linear):
@@ -143,6 +141,11 @@ class EagleHead(nn.Module):
                 if m.bias is not None:
                     bound = 1 / math.sqrt(m.weight.shape[1])
                     nn.init.uniform_(m.bias, -bound, bound)
+        if c.feature_layers:  # starts as the last layer's state passed through: training adds what the others give
+            self.fuse = Linear((len(c.feature_layers) + 1) * c.hidden_size, c.hidden_size, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -c.hidden_size :].copy_(torch.eye(c.hidden_size))
         self.register_buffer("vocab_ids", torch.arange(c.draft_vocab_size), persistent=True)
         inv = rope_inv_freq(c.head_dim, rope_theta, rope_scaling or RopeScaling())
         self.register_buffer("inv_freq", inv, persistent=False)
