@@ -40,6 +40,7 @@ from specserve.model.forward import ForwardItem
 from specserve.model.loader import DEFAULT_MODEL
 
 logger = logging.getLogger("specserve.train")
+FUSE_LR_SCALE = 0.1  # the fusing projection's learning rate against the rest of the head's
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,14 @@ class DrafterTrainer:
 
         batches_per_epoch = len(list(_batches(trains, c.batch_tokens, random.Random(0))))
         total = max(1, batches_per_epoch * c.epochs)
-        opt = torch.optim.AdamW(head.parameters(), lr=c.lr, weight_decay=0.0)
+        # the fusing projection learns at a tenth of the rate: it starts passing the last layer's state
+        # through, and Adam's steps of size ~lr on each of its (layers + 1) * H * H weights at the full
+        # rate scrambled that pass-through in the first 20 steps (held-out top-1 0.07 against 0.23
+        # without fusion, the 1.5B's code edits)
+        fuse = [p for n, p in head.named_parameters() if n.startswith("fuse.")]
+        rest = [p for n, p in head.named_parameters() if not n.startswith("fuse.")]
+        groups = [{"params": rest}] + ([{"params": fuse, "lr": c.lr * FUSE_LR_SCALE}] if fuse else [])
+        opt = torch.optim.AdamW(groups, lr=c.lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, total))
         ckpt = self.out / "checkpoint.pt"
         step, seen = 0, 0
