@@ -115,10 +115,42 @@ def test_a_fusing_head_trains_on_states_added_to_an_earlier_feature_store(tiny_l
     assert load_head(head).config.feature_layers == (1,)
     llm = LLM(str(tiny_llama), speculative=dict(method="eagle", draft_model=str(head), num_tokens=4, controller="fixed"))
     assert llm.generate("abc", GREEDY, use_tqdm=False)[0].token_ids and llm.engine.draft_totals.proposed > 0
+    with pytest.raises(ValueError, match="^feature_layers: .*checkpoint.pt trains another head"):
+        DrafterTrainer(dataclasses.replace(upgraded, feature_layers="")).train()  # resumed without fusion
     with pytest.raises(ValueError, match="^feature_layers"):
         dataclasses.replace(upgraded, feature_layers="low")
     with pytest.raises(ValueError, match="^feature_layers: '2' gives layers"):
         DrafterTrainer(dataclasses.replace(upgraded, feature_layers="2")).train()
+
+
+def test_answers_resumed_off_a_shard_boundary_give_every_sample_its_states(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data stage stopped off a shard's boundary (or asked for more prompts later) resumes: the
+    rows up to the boundary are generated unrecorded and the features stage computes the shard
+    they complete; every sample of every shard then holds the states of a forward over it alone."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(DrafterTrainer, "SHARD", 16)
+    config = dataclasses.replace(_train_config(tiny_llama, tmp_path), num_prompts=20)
+    DrafterTrainer(config).answers()
+    data = tmp_path / "head" / "data"
+    assert load_file(str(data / "features-00001.safetensors"))["lengths"].shape[0] == 4  # rows 16 .. 19
+    trainer = DrafterTrainer(dataclasses.replace(config, num_prompts=48))
+    trainer.answers()
+    trainer.features()
+    answers = [json.loads(line) for line in (data / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 48
+    for shard in range(3):
+        saved = load_file(str(data / f"features-{shard:05d}.safetensors"))
+        lengths = saved["lengths"].tolist()
+        assert len(lengths) == 16
+        for row, seq, states in zip(answers[16 * shard :], saved["tokens"].split(lengths), saved["hidden"].split(lengths)):
+            whole = row["prompt"] + row["answer"]
+            assert seq.tolist() in (whole, whole[:-1]), "each shard holds its own rows' samples"
+            assert torch.equal(states, trainer._states(seq.tolist(), ()).to(torch.float16))
 
 
 def test_bfloat16_training_learns_and_keeps_float32_weights(tiny_llama: Path, tmp_path: Path,

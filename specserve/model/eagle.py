@@ -1,16 +1,18 @@
 """An EAGLE-style draft head: one decoder layer over the target's final hidden state and the
 embedding of the next token (EAGLE-1/2), read out by the target's own LM head, or by a
-frequency-ranked subset of its rows (FR-Spec) where the full head costs too much.
+frequency-ranked subset of its rows (FR-Spec) where the full head costs too much. With
+`feature_layers` (EAGLE-3's fused features) the target's states after those layers join the last
+one's through `fuse` before the head reads them.
 
 Row j of the head takes (f_j, e(t_{j+1})): the target's final-normed hidden state at position j
 and the embedding of the token that followed, and predicts f_{j+1}, whose LM-head logits are the
-head's distribution for t_{j+2}. The head owns only its fc and its layer; embeddings and LM head
-are the target's, passed in. Attention is a callable, so the same math runs batched over padded
+head's distribution for t_{j+2}. The head owns only its fc (and fuse) and its layer; embeddings
+and LM head are the target's, passed in. Attention is a callable, so the same math runs batched over padded
 training sequences and over a serving drafter's own per-request cache.
 
 On disk (`save_head` / `load_head`): a directory with `config.json` and `model.safetensors`,
 tensor names as in EAGLE-1/2 checkpoints (`fc.*`, `layers.0.*`), plus `vocab_ids` (the LM-head
-rows the head reads out). Published EAGLE-1/2 checkpoints for a Llama target load from the same
+rows the head reads out) and, for a fusing head, `fuse.weight`. Published EAGLE-1/2 checkpoints for a Llama target load from the same
 names (their `config.json` is a Llama config, their layer has no input norm); EAGLE-3 heads
 (`midlayer.*`, a layer over fused low/mid/high features) do not.
 """
@@ -142,7 +144,10 @@ class EagleHead(nn.Module):
                     bound = 1 / math.sqrt(m.weight.shape[1])
                     nn.init.uniform_(m.bias, -bound, bound)
         if c.feature_layers:  # starts as the last layer's state passed through: training adds what the others give
-            self.fuse = Linear((len(c.feature_layers) + 1) * c.hidden_size, c.hidden_size, bias=False)
+            # a plain torch Linear, not a kernel slot: serving keeps it in float32 (it runs once per
+            # committed token, not per draft depth; int8 would quantize the target's states, whose
+            # few large dims set the scale)
+            self.fuse = nn.Linear((len(c.feature_layers) + 1) * c.hidden_size, c.hidden_size, bias=False)
             with torch.no_grad():
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, -c.hidden_size :].copy_(torch.eye(c.hidden_size))

@@ -686,7 +686,8 @@ class Speculator:
 
     def features(self, committed: list[tuple[str, int, torch.Tensor]]) -> None:
         """The target's hidden states of the tokens this step commits, per request: (request id,
-        position of the first, [n, hidden]); handed to the drafters that draft from them."""
+        position of the first, [n, hidden], or [n, (len(feature_layers) + 1) * hidden]); handed to
+        the drafters that draft from them."""
         for drafter in list(self.drafters.values()):
             if not drafter.wants_hidden:
                 continue

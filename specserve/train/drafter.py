@@ -102,7 +102,7 @@ def feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     if spec == "":
         return ()
     layers = sorted({min(2, num_layers - 1), num_layers // 2} - {0}) if spec == "auto" else \
-        [int(x) for x in spec.split(",")]
+        sorted(int(x) for x in spec.split(","))
     if any(not 1 <= f < num_layers for f in layers) or len(set(layers)) != len(layers):
         raise ValueError(f"feature_layers: {spec!r} gives layers {layers}; the target has {num_layers} "
                          f"(each in 1 .. {num_layers - 1}, distinct)")
@@ -208,14 +208,20 @@ class DrafterTrainer:
         prompts = prompts[len(done) : self.c.num_prompts]
         params = SamplingParams(max_tokens=self.c.max_new_tokens, temperature=0.0)
         # whole shards a chunk: the states the generation computes make each chunk's feature shards
+        # (a run resumed off a shard's boundary first generates up to the next one unrecorded: the
+        # features stage makes that shard)
         chunk = self.SHARD * max(1, round(4 * self.c.gen_batch / self.SHARD))
-        record = len(done) % self.SHARD == 0
+        first = -len(done) % self.SHARD
+        bounds = ([(0, first, False)] if first else []) + \
+            [(i, i + chunk, True) for i in range(first, len(prompts), chunk)]
         layers = self._feature_layers()
         core = self.llm.engine.core
         start = time.perf_counter()
         with path.open("a") as f:
-            for i in range(0, len(prompts), chunk):
-                part = prompts[i : i + chunk]
+            for i, end, record in bounds:
+                part = prompts[i:end]
+                if not part:
+                    continue
                 logger.info("answers %d-%d of %d", len(done) + i, len(done) + i + len(part), self.c.num_prompts)
                 recorder = _StateRecorder()
                 if record:
@@ -260,9 +266,8 @@ class DrafterTrainer:
             part = rows[i * self.SHARD : (i + 1) * self.SHARD]
             if whole[i]:  # add the aux states to a shard that has the rest
                 saved = load_file(str(shard))
-                lengths = saved["lengths"].tolist()
-                aux = [self._states((r["prompt"] + r["answer"])[:n], layers, num_layers=max(layers))[:, : -self._width]
-                       for r, n in zip(part, lengths)]
+                seqs = saved["tokens"].split(saved["lengths"].tolist())
+                aux = [self._states(seq.tolist(), layers, num_layers=max(layers))[:, : -self._width] for seq in seqs]
                 save_file({**saved, "aux": torch.cat(aux).to(torch.float16),
                            "aux_layers": torch.tensor(layers, dtype=torch.int32)}, str(shard))
                 continue
@@ -344,6 +349,9 @@ class DrafterTrainer:
                 raise ValueError(f"feature_layers: {s} holds no states for layers {layers}; run the features stage")
         aux = torch.cat([p["aux"] for p in parts]) if layers else None
         hidden = torch.cat([p["hidden"] for p in parts])
+        if aux is not None and aux.shape[0] != hidden.shape[0]:
+            raise ValueError(f"feature_layers: the stored states after layers {layers} cover {aux.shape[0]} positions, "
+                             f"the last layer's {hidden.shape[0]}; delete the features-*.safetensors and run again")
         tokens = torch.cat([p["tokens"] for p in parts]).long()
         lengths = torch.cat([p["lengths"] for p in parts]).tolist()
         prompt_lengths = torch.cat([p["prompt_lengths"] for p in parts]).tolist()
@@ -391,6 +399,9 @@ class DrafterTrainer:
         step, seen = 0, 0
         if ckpt.exists():
             state = torch.load(str(ckpt), map_location=c.device, weights_only=False)
+            if state.get("config", asdict(head_cfg)) != asdict(head_cfg):
+                raise ValueError(f"feature_layers: {ckpt} trains another head ({state['config']}), not {asdict(head_cfg)}; "
+                                 f"delete it or use another out directory")
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
@@ -424,7 +435,7 @@ class DrafterTrainer:
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                                "step": step, "seen": seen}, str(ckpt))
+                                "step": step, "seen": seen, "config": asdict(head_cfg)}, str(ckpt))
         bar.close()
         self._note("train_seconds", time.perf_counter() - start)
         save_head(head, self.out, extra={"trained": {**asdict(c), "steps": step, "tokens_seen": seen,
