@@ -258,9 +258,9 @@ class DrafterTrainer:
         layers = self._feature_layers()
         rows = [json.loads(line) for line in (self.data / "answers.jsonl").read_text().splitlines()]
         shards = [self._shard_path(i) for i in range(0, len(rows), self.SHARD)]
-        whole = [s.exists() and self._shard_rows(s) == len(rows[i * self.SHARD : (i + 1) * self.SHARD])
-                 for i, s in enumerate(shards)]
-        todo = [(i, s) for i, s in enumerate(shards) if not whole[i] or (layers and not self._has_aux(s, layers))]
+        held = [self._shard_holds(s) if s.exists() else (0, ()) for s in shards]
+        whole = [n == len(rows[i * self.SHARD : (i + 1) * self.SHARD]) for i, (n, _) in enumerate(held)]
+        todo = [(i, s) for i, s in enumerate(shards) if not whole[i] or (layers and held[i][1] != layers)]
         start = time.perf_counter()
         for i, shard in tqdm(todo, desc="features", unit="shard"):
             part = rows[i * self.SHARD : (i + 1) * self.SHARD]
@@ -300,11 +300,13 @@ class DrafterTrainer:
         save_file(tensors, str(path))
 
     @staticmethod
-    def _shard_rows(shard: Path) -> int:
+    def _shard_holds(shard: Path) -> tuple[int, tuple[int, ...]]:
+        """A stored shard's number of samples and the layers of its aux states (() without)."""
         from safetensors import safe_open
 
         with safe_open(str(shard), "pt") as f:
-            return int(f.get_slice("lengths").get_shape()[0])
+            layers = tuple(f.get_tensor("aux_layers").tolist()) if "aux_layers" in f.keys() else ()
+            return int(f.get_slice("lengths").get_shape()[0]), layers
 
     @property
     def _width(self) -> int:
@@ -312,13 +314,6 @@ class DrafterTrainer:
 
     def _feature_layers(self) -> tuple[int, ...]:
         return feature_layers(self.c.feature_layers, self.llm.engine.model.config.num_layers)
-
-    @staticmethod
-    def _has_aux(shard: Path, layers: tuple[int, ...]) -> bool:
-        from safetensors import safe_open
-
-        with safe_open(str(shard), "pt") as f:
-            return "aux_layers" in f.keys() and tuple(f.get_tensor("aux_layers").tolist()) == layers
 
     def _states(self, ids: list[int], layers: tuple[int, ...], num_layers: int | None = None) -> torch.Tensor:
         """The target's final-normed states at every token of `ids`, from the engine's own forward
