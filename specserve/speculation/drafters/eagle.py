@@ -1,9 +1,9 @@
 """EAGLE-style drafting: a learned head over the target's hidden states, a dynamic tree (EAGLE-2).
 
 Each request keeps a small K/V cache of the head's own (one layer). The target's final hidden
-states of every token it commits (with a fusing head, also those of its `feature_layers`, fused
-as they arrive) reach the drafter through `features`; before drafting, the head
-catches up on them (one batched forward for all requests: row j reads (f_j, t_{j+1})), and its
+states of every token it commits (with a fusing head, also those of its `feature_layers`) reach
+the drafter through `features`; before drafting, the head catches up on them (one batched fuse
+and forward for all requests: row j reads (f_j, t_{j+1})), and its
 last row predicts the root's hidden state, whose LM-head logits give the first draft tokens. Then,
 depth by depth, one batched forward over the nodes being expanded.
 
@@ -134,12 +134,11 @@ class EagleDrafter(Drafter):
 
     # -- what the target computed ------------------------------------------------------------------
     def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
-        with torch.inference_mode():
-            hidden = self.head.target_features(hidden.detach().float())
+        hidden = hidden.detach()  # kept as the target gave it: fused for all requests at once in `_catch_up`
         side = self._sides.get(request_id)
         if side is None:
             kvh, d = self._kv_shape
-            empty = hidden.new_empty((kvh, 64, d))
+            empty = hidden.new_empty((kvh, 64, d), dtype=torch.float32)
             side = self._sides[request_id] = _Side(empty, empty.clone(), first=start)
         if start < side.first:  # recomputed from earlier than the head has seen: start over
             side.first, side.length, side.last_out = start, 0, None
@@ -209,7 +208,8 @@ class EagleDrafter(Drafter):
                     off += n
                 return torch.cat(outs)
 
-            out = self.head(torch.cat(feats), self._embed(tok), pos_t, attend)
+            fed = self.head.target_features(torch.cat(feats).float())
+            out = self.head(fed, self._embed(tok), pos_t, attend)
             off = 0
             for rid, side, n in segs:
                 off += n
