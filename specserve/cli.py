@@ -138,7 +138,10 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
     out = DrafterTrainer(config).run()
-    print(f"draft head written to {out}; serve it with --spec eagle --draft-model {out}")
+    if config.data_only:
+        print(f"answers and states written to {out}; train on them with the same command without --data-only")
+    else:
+        print(f"draft head written to {out}; serve it with --spec eagle --draft-model {out}")
     return 0
 
 

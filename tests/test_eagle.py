@@ -5,6 +5,7 @@ the option."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -68,6 +69,22 @@ def test_trainer_learns_and_resumes(tiny_llama: Path, tmp_path: Path) -> None:
     lm = lm_head_weight(llm.engine.model).float()
     argmax = (stored["hidden"].float() @ lm.T).argmax(-1)
     assert choices.shape == argmax.shape and (choices == argmax).float().mean() > 0.99
+
+
+def test_data_only_stores_the_data_and_a_later_run_trains_on_it(tiny_llama: Path, tmp_path: Path) -> None:
+    """`data_only` stops after the answers and their states (no head, no training log); the same
+    command without it then trains on exactly that data, generating nothing again."""
+    config = dataclasses.replace(_train_config(tiny_llama, tmp_path), num_prompts=12, epochs=1, data_only=True)
+    data = DrafterTrainer(config).run()
+    head = Path(config.out)
+    assert data == head / "data"
+    shards = sorted(data.glob("features-*.safetensors"))
+    stored = {p: p.read_bytes() for p in [data / "answers.jsonl", *shards]}
+    assert shards and len((data / "answers.jsonl").read_text().splitlines()) == 12
+    assert not (head / "model.safetensors").exists() and not (head / "train_log.jsonl").exists()
+    assert DrafterTrainer(dataclasses.replace(config, data_only=False)).run() == head
+    assert (head / "model.safetensors").exists() and (head / "train_log.jsonl").exists()
+    assert {p: p.read_bytes() for p in stored} == stored, "the trained run must not generate the data again"
 
 
 def test_a_fusing_head_trains_on_states_added_to_an_earlier_feature_store(tiny_llama: Path, tmp_path: Path) -> None:

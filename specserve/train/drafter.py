@@ -76,6 +76,9 @@ class TrainConfig:
     quantization: str = "auto"
     precision: str = "float32"  # of the head's training matmuls: float32, or bfloat16 (autocast; weights stay float32)
     seed: int = 0
+    # stop once the answers and their states are stored (OUT/data, resumable; timings.json says what
+    # they cost): to make the data on one machine and train on another, or to measure the data alone
+    data_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "epochs", "batch_tokens", "eval_every",
@@ -178,9 +181,10 @@ class DrafterTrainer:
         return self._llm
 
     def run(self) -> Path:
+        """The head's directory; with `data_only`, the data's (nothing trained)."""
         self.answers()
         self.features()
-        return self.train()
+        return self.data if self.c.data_only else self.train()
 
     # -- 1. answers --------------------------------------------------------------------------------
     def answers(self) -> Path:
