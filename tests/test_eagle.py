@@ -405,7 +405,7 @@ def test_training_passes_compute_what_drafting_computes(feature_layers: tuple[in
     m = 9
     prompt = tuple(torch.randint(0, 258, (m + 1,), generator=g).tolist())
     feats = torch.randn(m, width, generator=g)
-    drafter.features("r", 0, feats)
+    drafter.features([("r", 0, feats)])
     with torch.no_grad():
         work = drafter._catch_up([DraftRequest(RequestView("r", prompt, (), SP(temperature=0)), budget=4)])["r"]
         assert work is not None
@@ -422,3 +422,43 @@ def test_training_passes_compute_what_drafting_computes(feature_layers: tuple[in
     assert torch.allclose(outs[0][0, m - 1], work.root_out, atol=1e-5)  # the root: the target-fed rows
     for depth, node in enumerate(chain[:3], start=1):  # node at depth d: pass d + 1, row m - 1 + d
         assert torch.allclose(outs[depth][0, m - 1 + depth], node.out, atol=1e-5), depth
+
+
+def test_a_step_of_several_requests_gives_each_its_own_states() -> None:
+    """`features` takes a step's committed states for all its requests at once (a fusing head fuses
+    them in one product): each request drafts exactly what it drafts when fed alone, its states
+    arriving in uneven chunks over several steps."""
+    from specserve.sampling_params import SamplingParams as SP
+    from specserve.speculation.drafter import DraftRequest, RequestView
+    from specserve.speculation.drafters.eagle import EagleDrafter
+
+    head = _head(feature_layers=(1,))
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(258, 64, generator=g)
+    readout = torch.nn.Linear(64, 258, bias=False)
+    torch.nn.init.normal_(readout.weight, generator=g)
+
+    def drafter() -> EagleDrafter:
+        return EagleDrafter(head, lambda ids: emb[ids], 258, readout, torch.Generator(), top_k=2, max_depth=3)
+
+    lengths = {"a": 7, "b": 4, "c": 11}
+    prompts = {r: tuple(torch.randint(0, 258, (n + 1,), generator=g).tolist()) for r, n in lengths.items()}
+    states = {r: torch.randn(n, 128, generator=g) for r, n in lengths.items()}
+    chunks = {"a": [(0, 5), (5, 6), (6, 7)], "b": [(0, 4)], "c": [(0, 9), (9, 10), (10, 11)]}
+
+    def trees(d: EagleDrafter, rids: list[str]) -> dict[str, list[tuple[int, int]]]:
+        reqs = [DraftRequest(RequestView(r, prompts[r], (), SP(temperature=0)), budget=6) for r in rids]
+        return {r: list(zip(tree.tokens, tree.parents)) for r, tree in zip(rids, d.propose(reqs))}
+
+    together = drafter()
+    for step in range(3):
+        together.features([(r, c[step][0], states[r][c[step][0] : c[step][1]]) for r, c in chunks.items() if step < len(c)])
+    alone = {}
+    for r in lengths:
+        d = drafter()
+        for s, e in chunks[r]:
+            d.features([(r, s, states[r][s:e])])
+        alone.update(trees(d, [r]))
+    got = trees(together, list(lengths))
+    assert all(alone[r] for r in lengths), "each request must draft"
+    assert got == alone

@@ -105,10 +105,12 @@ class Drafter(ABC):
         for view, tree, target_top_ids in observations:
             self.observe(view, tree, target_top_ids)
 
-    def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
-        """The target's final-normed hidden states [n, H] at positions start .. start + n - 1 of the
-        request, all committed (computed again after a preemption: they replace what was there);
-        [n, (len(feature_layers) + 1) * H] with feature layers, the final one's columns last."""
+    def features(self, committed: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """The target's hidden states of the tokens a step commits, one entry per request: (request
+        id, start, [n, H] final-normed states at positions start .. start + n - 1, all committed;
+        computed again after a preemption, they replace what was there); [n, (len(feature_layers) +
+        1) * H] with feature layers, the final one's columns last. One call a step, so a drafter can
+        treat the step's rows together."""
 
     def finish(self, request_id: str, view: RequestView) -> None:
         """The request left the engine (finished or aborted); `view` is its final state."""

@@ -689,13 +689,12 @@ class Speculator:
         position of the first, [n, hidden], or [n, (len(feature_layers) + 1) * hidden]); handed to
         the drafters that draft from them."""
         for drafter in list(self.drafters.values()):
-            if not drafter.wants_hidden:
+            if not drafter.wants_hidden or not committed:
                 continue
-            for request_id, start, hidden in committed:
-                try:
-                    drafter.features(request_id, start, hidden)
-                except Exception:  # noqa: BLE001 - a drafter that cannot learn still leaves the step whole
-                    self._failed("features")
+            try:
+                drafter.features(committed)
+            except Exception:  # noqa: BLE001 - a drafter that cannot learn still leaves the step whole
+                self._failed("features")
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Verdict]:
         """Plain decoding's draw for each row; if the batched draw raises, row by row, so that only

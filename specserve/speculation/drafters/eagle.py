@@ -1,9 +1,10 @@
 """EAGLE-style drafting: a learned head over the target's hidden states, a dynamic tree (EAGLE-2).
 
 Each request keeps a small K/V cache of the head's own (one layer). The target's final hidden
-states of every token it commits (with a fusing head, also those of its `feature_layers`) reach
-the drafter through `features`; before drafting, the head catches up on them (one batched fuse
-and forward for all requests: row j reads (f_j, t_{j+1})), and its
+states of every token it commits (with a fusing head, also those of its `feature_layers`, fused
+as they arrive, a step's requests in one product) reach the drafter through `features`; before
+drafting, the head catches up on them (one batched forward for all requests: row j reads (f_j,
+t_{j+1})), and its
 last row predicts the root's hidden state, whose LM-head logits give the first draft tokens. Then,
 depth by depth, one batched forward over the nodes being expanded.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -133,12 +134,23 @@ class EagleDrafter(Drafter):
         return self.embed(ids).float()
 
     # -- what the target computed ------------------------------------------------------------------
-    def features(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
-        hidden = hidden.detach()  # kept as the target gave it: fused for all requests at once in `_catch_up`
+    def features(self, committed: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """The step's committed states, fused (with `feature_layers`) in one product for all its
+        requests (one read of `fuse`'s weights a step, not one a request), then kept per request
+        until its next catch-up: a request's own copy, not a view that holds the step's rows."""
+        with torch.inference_mode():
+            fused = self.head.target_features(torch.cat([h for _, _, h in committed]).detach().float())
+        off = 0
+        for request_id, start, hidden in committed:  # (torch.cat made `fused` a new tensor)
+            n = hidden.shape[0]
+            self._pend(request_id, start, fused[off : off + n].clone() if len(committed) > 1 else fused)
+            off += n
+
+    def _pend(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         side = self._sides.get(request_id)
         if side is None:
             kvh, d = self._kv_shape
-            empty = hidden.new_empty((kvh, 64, d), dtype=torch.float32)
+            empty = hidden.new_empty((kvh, 64, d))
             side = self._sides[request_id] = _Side(empty, empty.clone(), first=start)
         if start < side.first:  # recomputed from earlier than the head has seen: start over
             side.first, side.length, side.last_out = start, 0, None
@@ -208,8 +220,7 @@ class EagleDrafter(Drafter):
                     off += n
                 return torch.cat(outs)
 
-            fed = self.head.target_features(torch.cat(feats).float())
-            out = self.head(fed, self._embed(tok), pos_t, attend)
+            out = self.head(torch.cat(feats), self._embed(tok), pos_t, attend)
             off = 0
             for rid, side, n in segs:
                 off += n
