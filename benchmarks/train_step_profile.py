@@ -52,7 +52,7 @@ def main() -> None:
     from specserve.model.eagle import EagleHead, HeadConfig
     from specserve.model.gguf_file import GGUFFile
     from specserve.model.gguf_model import gguf_config
-    from specserve.train.drafter import FUSE_LR_SCALE, _terms, feature_layers, head_passes
+    from specserve.train.drafter import FUSE_LR_SCALE, TrainConfig, _terms, feature_layers, head_passes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the target's GGUF (only its shape is read)")
@@ -84,10 +84,14 @@ def main() -> None:
     opt = torch.optim.AdamW([{"params": rest}] + ([{"params": fuse, "lr": 1e-4 * FUSE_LR_SCALE}] if fuse else []),
                             lr=1e-4)
 
+    c = TrainConfig(out="")  # the trainer's default loss weights
+
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs = head_passes(head, feats, embeds, positions, a.passes)
-            loss = sum(t[0] + 0.1 * t[1] for t in (_terms(o, lm_rows, nxt, labels, fmask) for o in outs))
+            terms = [_terms(o, lm_rows, nxt, labels, fmask) for o in outs]
+            loss = sum((1.0 if k == 0 else c.own_feature_weight) * (t[0] + c.token_weight * t[1])
+                       for k, t in enumerate(terms))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)

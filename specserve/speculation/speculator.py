@@ -688,8 +688,10 @@ class Speculator:
         """The target's hidden states of the tokens this step commits, per request: (request id,
         position of the first, [n, hidden], or [n, (len(feature_layers) + 1) * hidden]); handed to
         the drafters that draft from them."""
+        if not committed:
+            return
         for drafter in list(self.drafters.values()):
-            if not drafter.wants_hidden or not committed:
+            if not drafter.wants_hidden:
                 continue
             try:
                 drafter.features(committed)
