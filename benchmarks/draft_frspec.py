@@ -30,20 +30,38 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32768, help="head rows kept (the most frequent tokens)")
     ap.add_argument("--tokens", type=int, default=2, help="draft tokens a step (fixed controller)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--census", choices=("humaneval", "ids"), default="humaneval",
+                    help="how rows are ranked: token counts in HumanEval's prompts, or the token id alone "
+                         "(byte-level BPE: merge order, roughly frequent to rare); added tokens always kept")
+    ap.add_argument("--q4-0", action="store_true",
+                    help="the cut rows rounded to Q4_0 and packed, as the draft's full head is by default "
+                         "(without: the embedding's own blocks, Q8_0 for the 0.5B)")
+    ap.add_argument("--method", choices=("draft-model", "auto"), default="draft-model",
+                    help="draft-model with a fixed K, or the default: auto with the draft model beside the lookups")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import SampleSpec, open_dataset
-    from specserve.model.quant import GGUFLinearKernel
+    from specserve.model.quant import GGUFLinearKernel, pack_gguf_parts
 
     def make(rows: torch.Tensor | None):  # type: ignore[no-untyped-def]
-        llm = LLM(a.target, threads=a.threads, speculative=dict(method="draft-model", draft_model=a.draft,
-                                                                 num_tokens=a.tokens, controller="fixed"))
+        spec = (dict(method="draft-model", draft_model=a.draft, num_tokens=a.tokens, controller="fixed")
+                if a.method == "draft-model" else dict(method="auto", draft_model=a.draft))
+        llm = LLM(a.target, threads=a.threads, speculative=spec)
         model = llm.engine.core.speculator.drafters["draft-model"].forward.__self__.model
         if rows is not None:
             emb = model.embed_tokens  # the tied head's own blocks, one row per token
-            cut = GGUFLinearKernel([emb.blocks[rows].contiguous()], [emb.type_id], None, model.lm_head.kernel.isa)
+            isa = model.lm_head.kernel.isa
+            parts, types = [emb.blocks[rows].contiguous()], [emb.type_id]
+            if a.q4_0:  # rounded as the draft's own head is (draft_quantization q4_0), and packed as it is
+                from specserve.model import ops
+                from specserve.model.gguf_model import requantize_q4_0
+
+                parts, types = map(list, zip(requantize_q4_0(parts[0], types[0], model.config.hidden_size)))
+                if (layout := ops.PACKED_LAYOUTS.get(isa)) is not None:
+                    parts, types = pack_gguf_parts(parts, types, layout)
+            cut = GGUFLinearKernel(parts, types, None, isa)
             vocab = model.config.vocab_size
 
             def logits(h: torch.Tensor) -> torch.Tensor:
@@ -56,10 +74,17 @@ def main() -> None:
 
     full, full_model = make(None)
     counts: collections.Counter = collections.Counter()
-    for x in open_dataset("humaneval", None).sample(SampleSpec(seed=0, num=164, output_len=a.max_tokens)).samples:
-        counts.update(full.tokenizer.encode(x.prompt))
+    if a.census == "humaneval":
+        for x in open_dataset("humaneval", None).sample(SampleSpec(seed=0, num=164, output_len=a.max_tokens)).samples:
+            counts.update(full.tokenizer.encode(x.prompt))
     order = sorted(range(full_model.config.vocab_size), key=lambda i: (-counts[i], i))
-    rows = torch.tensor(sorted(order[: a.rows]))
+    added = set(getattr(full.tokenizer, "added_tokens_decoder", {}) or {})
+    kept = set(order[: a.rows]) | {i for i in added if i < full_model.config.vocab_size}
+    for i in order[a.rows:]:  # whole groups of 16 rows, as the packed layouts take them
+        if len(kept) % 16 == 0:
+            break
+        kept.add(i)
+    rows = torch.tensor(sorted(kept))
     cut, cut_model = make(rows)
 
     h = torch.randn(1, full_model.config.hidden_size)

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--candidates", default=None,
                    help="comma-separated isa or isa-layout names (default: every one this CPU runs)")
     p.add_argument("--types", default=None, help="only tensors of these ggml types (e.g. Q6_K)")
+    p.add_argument("--names", default=None, help="only tensors whose names contain one of these (e.g. ffn_down,output)")
     p.add_argument("--prefetch", default="next-group",
                    help="the packed kernels' prefetch policies (quant.PREFETCH_POLICIES), comma-separated: "
                         "each packed candidate runs under each, named CANDIDATE@POLICY where more than one")
@@ -49,7 +50,9 @@ def main() -> None:
     ops.load()
     g = GGUFFile(a.gguf)
     types = set(a.types.split(",")) if a.types else QUANTIZED
-    chosen = {n: t for n, t in g.tensors.items() if t.type_name in QUANTIZED & types and n != "token_embd.weight"}
+    names = a.names.split(",") if a.names else None
+    chosen = {n: t for n, t in g.tensors.items() if t.type_name in QUANTIZED & types and n != "token_embd.weight"
+              and (names is None or any(s in n for s in names))}
     tensors = [(g.data(n), t.type_id, t.cols) for n, t in chosen.items()]
     policies = a.prefetch.split(",")
     candidates: dict[str, tuple[int, list[tuple[torch.Tensor, int, int]], int]] = {}
