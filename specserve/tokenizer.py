@@ -216,6 +216,15 @@ def end_of_generation_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(int(added[t]) for t in END_OF_GENERATION if t in added)
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokens a tokenizer added to its vocabulary (the chat format's markers, tool
+    calls, end of turn: where BPE tokenizers put them, at the end), those that end a generation,
+    and its eos id."""
+    ids = {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset(ids | end_of_generation_ids(tokenizer) | ({eos} if isinstance(eos, int) else set()))
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids for a conversation, ending with the assistant's turn prompt; `tools` (OpenAI's

@@ -195,6 +195,26 @@ def test_a_fused_projection_with_a_packed_part_is_its_parts_side_by_side(isa: st
     assert torch.equal(fused, alone)
 
 
+@pytest.mark.parametrize("isa, t", READS)
+def test_a_projection_cut_to_spans_of_rows_computes_those_rows_as_the_whole_does(isa: str, t: ops.PackedType) -> None:
+    """GGUFLinearKernel.row_spans (a draft model's LM head cut to the tokens it may propose): the
+    rows kept, packed or in the file's blocks, give the whole projection's outputs for them, bit
+    for bit; a span that would split a packed group is refused."""
+    from specserve.model.quant import GGUFLinearKernel
+
+    other = Q.Q6_K if t.source == Q.Q4_K else Q.Q4_K
+    parts = [_packed(_blocks(Q(t.source), 4 * t.rows, 512, seed=0)[0], t), _blocks(other, 24, 512, seed=1)[0]]
+    whole = GGUFLinearKernel(parts, [t.type_id, int(other)], torch.randn(4 * t.rows + 24), isa)
+    x = torch.randn(3, 512)
+    full = whole(x)
+    spans = [(0, t.rows), (3 * t.rows, 4 * t.rows + 5)]  # a whole group, then the last group and 5 file rows
+    for copy in (False, True):
+        cut = whole.row_spans(spans, copy=copy)
+        assert torch.equal(cut(x), torch.cat([full[:, a:b] for a, b in spans], dim=1))
+    with pytest.raises(ValueError, match="cuts a group"):
+        whole.row_spans([(0, t.rows // 2)])
+
+
 def test_packing_refuses_what_it_cannot_pack() -> None:
     blocks, _ = _blocks(Q.Q4_K, 12, 512)
     with pytest.raises(RuntimeError, match="12 rows are not whole groups of 8"):
@@ -392,6 +412,33 @@ def test_greedy_speculation_on_packed_q4k_is_plain_decoding(files: dict[str, Pat
     llm = shuffle_grants(LLM(str(files["qwen2"]), speculative=spec, max_num_batched_tokens=24), seed=3)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.engine.draft_totals.proposed > 0
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["own-head", "tied-head"])
+def test_a_gguf_draft_cut_to_its_first_token_ids_proposes_only_them_and_output_is_plain(
+    files: dict[str, Path], plain: list[list[int]], tie: bool
+) -> None:
+    """draft_vocab on a GGUF draft model (its own head, or the embedding's blocks as the 0.5B
+    Qwen2.5's): its LM head keeps the first 128 of 259 rows; it proposes none of the others, and
+    greedy output is plain decoding's."""
+    draft = files["qwen2-q5_0"] if tie else files["qwen2"]
+    llm = LLM(str(files["qwen2"]), max_num_batched_tokens=24,
+              speculative=dict(method="draft-model", num_tokens=4, controller="fixed", draft_model=str(draft),
+                               draft_quantization="file", draft_vocab=100))
+    drafter = llm.engine.speculator.drafters["draft-model"]
+    head = drafter.forward.__self__.model.lm_head
+    assert (head.keep, head.tail) == (128, 259)  # rounded up to whole spans of 64 rows; no special token beyond
+    propose, proposed = drafter.propose, []
+
+    def spy(requests):  # type: ignore[no-untyped-def]
+        out = propose(requests)
+        proposed.extend(t for tree in out for t in tree.tokens)
+        return out
+
+    drafter.propose = spy
+    outs = llm.generate(random_prompts(6, seed=9, vocab=259), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain
+    assert proposed and max(proposed) < 128
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_1, Q.Q4_K, Q.Q4_0])

@@ -226,13 +226,18 @@ SAMPLING_CASES = {
         max_tokens=6, temperature=1.0, ignore_eos=True, logit_bias={0: 1.5, 2: -1.0})),
     "tree-ngram-logit-bias": ("ngram", 4, 3, SamplingParams(
         max_tokens=6, temperature=0.8, ignore_eos=True, logit_bias={1: -2.0, 3: 0.7})),
+    # a draft whose LM head reads out only tokens 0 and 1 (draft_vocab): it never proposes 2 or 3,
+    # which the target draws; the draft's distribution is 0 there
+    "chain-draft-model-vocab-cut": ("draft-model", 3, 1, SamplingParams(max_tokens=6, temperature=1.0,
+                                                                        ignore_eos=True), 0.0, 2),
 }
 
 
-def _spec(method: str, k: int, width: int, draft: Path, stop_below: float = 0.0) -> dict:
+def _spec(method: str, k: int, width: int, draft: Path, stop_below: float = 0.0, draft_vocab: int | None = None) -> dict:
     spec: dict = dict(method=method, num_tokens=k, width=width, controller="fixed", draft_stop_below=stop_below)
     if method == "draft-model":
         spec["draft_model"] = str(draft)
+        spec["draft_vocab"] = draft_vocab
     if method == "layer-skip":
         spec["draft_layers"] = 1
     return spec
@@ -246,6 +251,8 @@ def test_speculative_sampling_matches_exact_distribution(small_vocab: tuple[Path
     counts, llm = sample_counts(target, _spec(method, k, width, draft, *stop), params, n)
     totals = llm.engine.draft_totals
     assert totals.proposed > 0 and 0 < totals.accepted < totals.proposed, "needs both accepts and rejections"
+    if case.endswith("vocab-cut"):  # the target draws tokens the draft never proposes
+        assert any(t >= 2 for k in counts for t in k)
     assert chi2_pvalue(counts, exact_distribution(target, params), n) > 0.001
 
 
@@ -438,6 +445,7 @@ def test_bundled_model_greedy_equivalence_every_drafter(
         (dict(method="layer-skip", draft_layers=0), "draft_layers"),
         (dict(method="draft-model", draft_model="d.gguf", draft_quantization="q8_0"), "draft_quantization"),
         (dict(method="draft-model", draft_model="d.gguf", draft_window=0), "draft_window"),
+        (dict(method="draft-model", draft_model="d.gguf", draft_vocab=0), "draft_vocab"),
         (dict(method="auto", latency_slo_ms=0), "spec_latency_slo"),
         (dict(method="auto", latency_slack=-0.5), "spec_latency_slack"),
     ],
@@ -612,3 +620,36 @@ def test_a_model_drafters_chain_ends_where_its_confidence_falls_below_min_value(
         assert len(tree) == request.budget or reach[-1] < 0.02
         lengths.add(len(tree))
     assert len(lengths) > 2  # chains of several lengths: the rule was exercised
+
+
+def test_a_draft_model_cut_to_its_first_token_ids_proposes_only_them_and_output_is_plain(tiny_llama: Path) -> None:
+    """With draft_vocab, a draft model's LM head computes the kept rows' logits as the full head
+    does and -inf for the rest: it never proposes another token, and greedy output is plain
+    decoding's. The target drafting for itself, every draft would be accepted; cut to 64 of its 258
+    tokens, it is wrong exactly where the target's token lies beyond them."""
+    prompts = random_prompts(6, seed=31)
+    llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", num_tokens=4, controller="fixed",
+                                                draft_model=str(tiny_llama), draft_vocab=64))
+    drafter = llm.engine.speculator.drafters["draft-model"]
+    draft = drafter.forward.__self__.model
+    hidden = torch.randn(3, draft.config.hidden_size)
+    with torch.inference_mode():
+        cut, full = draft.compute_logits(hidden), llm.engine.model.compute_logits(hidden)
+    assert cut.shape == full.shape
+    torch.testing.assert_close(cut[:, :64], full[:, :64])
+    assert torch.isneginf(cut[:, 64:]).all()
+    propose, proposed = drafter.propose, []
+
+    def spy(requests):  # type: ignore[no-untyped-def]
+        out = propose(requests)
+        proposed.extend(t for tree in out for t in tree.tokens)
+        return out
+
+    drafter.propose = spy
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, GREEDY,
+                                                                                                  use_tqdm=False)]
+    totals = llm.engine.draft_totals
+    assert proposed and max(proposed) < 64
+    assert 0 < totals.accepted < totals.proposed
+    assert any(t >= 64 for o in outs for t in o.token_ids)  # the target did say what the draft cannot

@@ -32,9 +32,10 @@ from specserve.speculation.verifier import Verifier
 
 logger = logging.getLogger("specserve.engine")
 
-# Loads a draft model by name for a target context length and a draft quantization (a GGUF's
-# projections as stored, or rounded to 4 bits: SpeculativeConfig.draft_quantization): (model, tokenizer).
-DraftBuilder = Callable[[str, int, str], "tuple[LlamaForCausalLM, Any]"]
+# Loads a draft model by name for a target context length, a draft quantization (a GGUF's
+# projections as stored, or rounded to 4 bits: SpeculativeConfig.draft_quantization) and the token ids
+# its LM head reads out (SpeculativeConfig.draft_vocab): (model, tokenizer).
+DraftBuilder = Callable[[str, int, str, "int | None"], "tuple[LlamaForCausalLM, Any]"]
 
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -159,7 +160,7 @@ def _draft_model(spec: SpeculativeConfig, config: EngineConfig, draft_builder: D
     device = torch.device(config.device)
     # The draft sees the same positions as the target: its RoPE table must cover the target's context
     # (build_model names max_model_len if the draft model cannot).
-    model, tokenizer = draft_builder(spec.draft_model, config.max_model_len, spec.draft_quantization)
+    model, tokenizer = draft_builder(spec.draft_model, config.max_model_len, spec.draft_quantization, spec.draft_vocab)
     bs = config.cache.block_size
     kv_dtype = config.cache.dtype or config.dtype
     num_blocks = max(16, config.cache.kv_cache_bytes // 4 // kv_bytes_per_block(model, bs, kv_dtype))
@@ -169,3 +170,4 @@ def _draft_model(spec: SpeculativeConfig, config: EngineConfig, draft_builder: D
     runner = ModelRunner(model, kv, bs, device, attention)
     pool = BlockPool(BlockManager(num_blocks, bs, enable_prefix_caching=False))
     return ModelHandle(runner.run, mc.vocab_size, mc.num_layers, device, kv=pool, tokenizer=tokenizer)
+

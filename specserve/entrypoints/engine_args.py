@@ -166,6 +166,10 @@ class EngineArgs:
         s.add_argument("--draft-window", type=int, default=spec.draft_window or 0,
                        help="how many of a prompt's last tokens a draft model reads before drafting "
                             f"(default: {spec.draft_window}; 0: the whole prompt)")
+        s.add_argument("--draft-vocab", type=int, default=spec.draft_vocab or 0,
+                       help="a draft model proposes only the first N token ids and the tokenizer's added tokens "
+                            f"(its LM head cut to them: cheaper draft tokens, output unchanged; default: "
+                            f"{spec.draft_vocab}; 0: the whole vocabulary)")
         s.add_argument("--draft-layers", type=int, default=spec.draft_layers, help="layers for --spec layer-skip")
         s.add_argument("--draft-stop-below", type=float, default=spec.draft_stop_below,
                        help="model drafters stop a chain when their pick's probability is below this")
@@ -193,7 +197,7 @@ class EngineArgs:
                                           width=a.spec_width, draft_layers=a.draft_layers,
                                           draft_model=_cli_draft_model(a.draft_model, a.spec),
                                           draft_quantization=a.draft_quantization,
-                                          draft_window=a.draft_window or None,
+                                          draft_window=a.draft_window or None, draft_vocab=a.draft_vocab or None,
                                           draft_stop_below=a.draft_stop_below, latency_slo_ms=a.spec_latency_slo,
                                           latency_slack=a.spec_latency_slack, pace_slack=a.spec_pace_slack),
         )

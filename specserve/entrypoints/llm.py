@@ -31,23 +31,25 @@ from specserve.sampling_params import SamplingParams
 from specserve.entrypoints.engine_args import EngineArgs
 from specserve.speculation.config import SpeculativeConfig
 from specserve.speculation.factory import with_model_defaults
-from specserve.tokenizer import apply_chat_template, load_tokenizer
+from specserve.tokenizer import apply_chat_template, load_tokenizer, special_token_ids
 
 logger = logging.getLogger("specserve")
 
 
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
-    quantization: str = "none", gguf_q4_0: bool = False,
+    quantization: str = "none", gguf_q4_0: bool = False, head_vocab: int | None = None,
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped; `gguf_q4_0`: a GGUF run on its own
-    blocks has its wider projections rounded to Q4_0, for a draft model); returns (model, tokenizer or None,
-    max_model_len, the precision the weights run in)."""
+    blocks has its wider projections rounded to Q4_0, for a draft model; `head_vocab`: the LM head
+    reads out only the first that many token ids and the tokenizer's special tokens, for a draft
+    model: LlamaForCausalLM.read_out_vocabulary); returns (model, tokenizer or None, max_model_len,
+    the precision the weights run in)."""
     if load_format != "dummy":
         gguf_path = gguf_behind(model, load_format)
         if resolve_quantization(quantization, gguf_path, device) == "gguf":
-            return _build_gguf_model(gguf_path, dtype, max_model_len, gguf_q4_0)  # type: ignore[arg-type]
+            return _build_gguf_model(gguf_path, dtype, max_model_len, gguf_q4_0, head_vocab)  # type: ignore[arg-type]
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = _check_limit(max_model_len, cfg)
@@ -71,11 +73,12 @@ def build_model(
     net.eval()
     precision = resolve_quantization(quantization, loaded.gguf_path, device)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
+    tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
+    _read_out_vocabulary(net, tokenizer, head_vocab, model)  # before the kernels: only the kept rows get one
     tuner = KernelTuner(torch.device(device))
     chosen = prepare_linears(net, precision, tuner.choose, source)
     logger.info("%s: %s weights; kernels: %s", model, precision,
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
-    tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
     _return_freed_memory()
     return net, tokenizer, limit, precision
 
@@ -88,10 +91,19 @@ def _check_limit(max_model_len: int | None, cfg: Any) -> int:
     return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
+def _read_out_vocabulary(net: LlamaForCausalLM, tokenizer: Any, head_vocab: int | None, name: str) -> None:
+    if head_vocab is None:
+        return
+    cut = net.read_out_vocabulary(head_vocab, special_token_ids(tokenizer) if tokenizer is not None else ())
+    if cut is not None:
+        logger.info("%s: the LM head reads out token ids [0, %d) and [%d, %d)", Path(name).name, cut[0], cut[1],
+                    net.config.vocab_size)
+
+
 def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
-                      q4_0: bool = False) -> tuple[LlamaForCausalLM, Any, int, str]:
+                      q4_0: bool = False, head_vocab: int | None = None) -> tuple[LlamaForCausalLM, Any, int, str]:
     """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU;
-    `q4_0`: its wider projections rounded to Q4_0 (a draft model's)."""
+    `q4_0`: its wider projections rounded to Q4_0 (a draft model's); `head_vocab`: build_model's."""
     if dtype != torch.float32:
         raise InvalidRequestError("dtype", f"the GGUF kernels take float32 activations, not {dtype}; "
                                            "use --dtype float32 or --quantization none")
@@ -108,6 +120,7 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
     tuner = KernelTuner(torch.device("cpu"))
     chosen = install_gguf_weights(net, g, cfg, tuner.choose, q4_0)
     prefetch = tuner.choose_prefetch(net)
+    _read_out_vocabulary(net, tokenizer, head_vocab, str(path))
     net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors(g))
     net.eval()
     logger.info("%s: weights in the file's blocks (%s); kernels: %s; prefetch %s; loaded in %.1f s", path.name,
@@ -203,12 +216,14 @@ class LLM:
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "model"}
         return cls(args.model, **options)
 
-    def _build_draft(self, name: str, max_model_len: int, quantization: str) -> tuple[LlamaForCausalLM, Any]:
+    def _build_draft(self, name: str, max_model_len: int, quantization: str,
+                     vocab: int | None = None) -> tuple[LlamaForCausalLM, Any]:
         """A draft model for the draft-model drafter, loaded like the target (same precision rule; a
-        GGUF run on its own blocks as `quantization` says: SpeculativeConfig.draft_quantization)."""
+        GGUF run on its own blocks as `quantization` says: SpeculativeConfig.draft_quantization; its
+        LM head cut to `vocab`: SpeculativeConfig.draft_vocab)."""
         a = self.args
         model, tokenizer, _, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
-                                             a.quantization, gguf_q4_0=quantization == "q4_0")
+                                             a.quantization, gguf_q4_0=quantization == "q4_0", head_vocab=vocab)
         return model, tokenizer
 
     @property

@@ -8,6 +8,7 @@ nothing of requests, schedules or trees.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,25 @@ class Linear(nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
+
+
+class VocabSpanHead(nn.Module):
+    """An LM head that computes only the rows [0, keep) and [tail, vocab) of the full head (FR-Spec's
+    cut for a draft model: the most frequent tokens, and the special ones at the end of the
+    vocabulary); the other tokens' logits are -inf, so they are never proposed. `inner` computes
+    the kept rows, stacked."""
+
+    def __init__(self, inner: nn.Module, keep: int, tail: int, vocab: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.keep, self.tail, self.vocab = keep, tail, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        out = y.new_full((*y.shape[:-1], self.vocab), float("-inf"))
+        out[..., : self.keep] = y[..., : self.keep]
+        out[..., self.tail :] = y[..., self.keep :]
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -259,3 +279,37 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    # A GGUF head's rows are kept in whole spans of this many: every packed layout's group divides it.
+    GGUF_HEAD_ALIGN = 64
+
+    def read_out_vocabulary(self, first: int, keep_ids: Iterable[int] = ()) -> tuple[int, int] | None:
+        """Make the LM head compute the logits of the first `first` token ids and of every id from
+        the smallest of `keep_ids` past them to the end (for a GGUF head, rounded out to whole spans
+        of GGUF_HEAD_ALIGN rows), the rest -inf: what a draft model's head needs (byte-level BPE ids
+        run roughly from frequent to rare, and tokenizers add their special tokens at the end), at
+        a fraction of the full head's bytes. Returns the kept spans' bounds (keep, tail), or None
+        where nothing is cut (the vocabulary is no larger, or the head's kernel cannot be cut by rows)."""
+        from specserve.model.quant import GGUFLinearKernel
+
+        head, vocab = self.lm_head, self.config.vocab_size
+        gguf = isinstance(head, Linear) and isinstance(head.kernel, GGUFLinearKernel)
+        dense = isinstance(head, Linear) and head.kernel is None and head.weight is not None
+        if not (gguf or dense):
+            return None
+        align = self.GGUF_HEAD_ALIGN if gguf else 1
+        keep = min(vocab, -(-first // align) * align)
+        later = [i for i in keep_ids if keep <= i < vocab]
+        tail = min(later) // align * align if later else vocab
+        if tail - keep < align:
+            return None
+        spans = [(0, keep)] + ([(tail, vocab)] if tail < vocab else [])
+        if gguf:
+            inner: nn.Module = head.kernel.row_spans(spans, copy=True)  # type: ignore[union-attr]  # the full head's memory goes
+        else:
+            inner = Linear(self.config.hidden_size, keep + vocab - tail, bias=head.bias is not None)
+            inner.weight = nn.Parameter(torch.cat([head.weight[a:b] for a, b in spans]).detach(), requires_grad=False)
+            if head.bias is not None:
+                inner.bias = nn.Parameter(torch.cat([head.bias[a:b] for a, b in spans]).detach(), requires_grad=False)
+        self.lm_head = VocabSpanHead(inner, keep, tail, vocab)  # type: ignore[assignment]
+        return keep, tail

@@ -340,6 +340,32 @@ class GGUFLinearKernel(nn.Module):
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
+    def row_spans(self, spans: list[tuple[int, int]], copy: bool = False) -> "GGUFLinearKernel":
+        """The same projection over only the output rows in `spans` ([start, end) pairs, in order),
+        stacked: views of these weights, or with `copy` their own memory (the rest can then go). A
+        packed part is cut in whole groups of its rows."""
+        parts: list[torch.Tensor] = []
+        types: list[int] = []
+        biases: list[torch.Tensor] = []
+        for start, end in spans:
+            first = 0
+            for part, type_id in zip(self.parts, self.types):
+                lo, hi = max(start, first), min(end, first + part.shape[0])
+                if lo < hi:
+                    group = PACKED_BY_ID[type_id].rows if type_id in PACKED_BY_ID else 1
+                    if (lo - first) % group or ((hi - first) % group and hi - first != part.shape[0]):
+                        raise ValueError(f"rows: [{start}, {end}) cuts a group of {group} packed rows")
+                    rows = part[lo - first:hi - first]
+                    parts.append(rows.clone() if copy else rows)
+                    types.append(type_id)
+                    if self.bias is not None:
+                        biases.append(self.bias[lo:hi])
+                first += part.shape[0]
+        cut = GGUFLinearKernel(parts, types, torch.cat(biases) if biases else None, self.isa)
+        cut.prefetch = self.prefetch
+        return cut
+
+
 def _gguf_cols(blocks: torch.Tensor, type_id: int) -> int:
     from specserve.model.gguf_file import GGML_TYPES
     if type_id in PACKED_BY_ID:
@@ -498,7 +524,7 @@ def prepare_linears(
     for name, module in model.named_modules():
         if not hasattr(module, "kernel") or module.weight is None:
             continue
-        own = "int8" if precision == "int4" and name == "lm_head" else precision
+        own = "int8" if precision == "int4" and name in ("lm_head", "lm_head.inner") else precision
         exact = int4_source(name) if own == "int4" and int4_source is not None else None
         weight = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach()

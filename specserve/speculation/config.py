@@ -39,6 +39,12 @@ class SpeculativeConfig:
     draft_window: how many of a prompt's last tokens a draft model reads (None: the whole prompt);
         it follows everything generated after them. A long prompt read whole costs the draft more
         than its drafts save on a short answer (BENCHMARKS.md, session 22)
+    draft_vocab: the tokens a draft model's LM head reads out: the first this many token ids and
+        the tokenizer's added tokens (end-of-turn and the like) at the end of the vocabulary (FR-Spec;
+        byte-level BPE ids run roughly from frequent to rare); the rest are never proposed. A draft
+        token reads fewer bytes (the 0.5B Qwen2.5-Coder's head: 32,768 of 151,936 rows); the target
+        verifies every token, so the output is unchanged. None: the whole vocabulary. GGUF and float
+        heads are cut; others read every row
     draft_layers: how many of the target's first layers `layer-skip` drafts with (None: the
         measured default for the model, else half the layers)
     latency_slo_ms: with the goodput controller, the inter-token latency (ms) speculation may take
@@ -62,6 +68,7 @@ class SpeculativeConfig:
     draft_layers: int | None = None
     draft_quantization: str = "q4_0"
     draft_window: int | None = 256
+    draft_vocab: int | None = 32768
     draft_stop_below: float = 0.0  # model drafters end a chain once their own pick's probability is below this
     latency_slo_ms: float | None = None
     latency_slack: float | None = None
@@ -85,6 +92,8 @@ class SpeculativeConfig:
                              f"got {self.draft_quantization!r}")
         if self.draft_window is not None and self.draft_window < 1:
             raise ValueError(f"draft_window: must be >= 1 (or None: the whole prompt), got {self.draft_window}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab: must be >= 1 (or None: the whole vocabulary), got {self.draft_vocab}")
         if not 0.0 <= self.draft_stop_below < 1.0:
             raise ValueError(f"draft_stop_below: must be in [0, 1), got {self.draft_stop_below}")
         if self.width > 1 and "ngram" not in self.drafters:
