@@ -48,6 +48,7 @@ def main() -> None:
     def make(rows: torch.Tensor | None):  # type: ignore[no-untyped-def]
         spec = (dict(method="draft-model", draft_model=a.draft, num_tokens=a.tokens, controller="fixed")
                 if a.method == "draft-model" else dict(method="auto", draft_model=a.draft))
+        spec["draft_vocab"] = None  # the engine's own cut off: this script makes the cut it measures
         llm = LLM(a.target, threads=a.threads, speculative=spec)
         model = llm.engine.core.speculator.drafters["draft-model"].forward.__self__.model
         if rows is not None:
