@@ -87,7 +87,7 @@ void q6_block(const uint8_t* q, uint8_t* blk) {  // the quants' ql and qh
         }
 }
 
-// Offsets in a packed Q6_K super-block of R = 16 rows (gguf_packed.h): run v holds a, b, h for the
+// Offsets in a packed Q6_K super-block of R = 16 rows (gguf_packed.h): run v holds a, b, c for the
 // quants of groups u = v, v + 16, v + 32, v + 48 (quant 4u + i).
 struct Q6KLayout {
     static constexpr int R = 16;
@@ -109,9 +109,9 @@ void pack_q6k(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {
                 uint8_t* run = dst + L::run(v) + 4 * r;
                 for (int i = 0; i < 4; i++) {
                     const uint8_t q0 = q[4 * v + i], q1 = q[4 * (v + 16) + i], q2 = q[4 * (v + 32) + i], q3 = q[4 * (v + 48) + i];
-                    run[i] = (uint8_t)((q0 & 0xF) | (q2 << 4));
-                    run[4 * L::R + i] = (uint8_t)((q1 & 0xF) | (q3 << 4));
-                    run[8 * L::R + i] = (uint8_t)((q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6));
+                    run[i] = (uint8_t)(q0 | (q3 << 6));
+                    run[4 * L::R + i] = (uint8_t)(q1 | ((q3 >> 2) << 6));
+                    run[8 * L::R + i] = (uint8_t)(q2 | ((q3 >> 4) << 6));
                 }
             }
         }
@@ -129,11 +129,11 @@ void unpack_q6k(const uint8_t* src, int64_t nb, uint8_t* dst, int64_t rb) {
             for (int v = 0; v < 16; v++) {
                 const uint8_t* run = src + L::run(v) + 4 * r;
                 for (int i = 0; i < 4; i++) {
-                    const uint8_t a = run[i], bb = run[4 * L::R + i], h = run[8 * L::R + i];
-                    q[4 * v + i] = (uint8_t)((a & 0xF) | ((h & 3) << 4));
-                    q[4 * (v + 16) + i] = (uint8_t)((bb & 0xF) | (((h >> 2) & 3) << 4));
-                    q[4 * (v + 32) + i] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
-                    q[4 * (v + 48) + i] = (uint8_t)((bb >> 4) | (((h >> 6) & 3) << 4));
+                    const uint8_t a = run[i], bb = run[4 * L::R + i], c = run[8 * L::R + i];
+                    q[4 * v + i] = a & 0x3F;
+                    q[4 * (v + 16) + i] = bb & 0x3F;
+                    q[4 * (v + 32) + i] = c & 0x3F;
+                    q[4 * (v + 48) + i] = (uint8_t)((a >> 6) | ((bb >> 6) << 2) | ((c >> 6) << 4));
                 }
             }
             q6_block(q, blk);

@@ -29,9 +29,11 @@
 //     0         d[r]                f16
 //     2R        scale[g][r]         i8 (g = sub-block of 16)
 //     18R       sixteen runs of 12R bytes, v = 0..15, each in the order the kernel reads them:
-//       +0        a[r][i]           low nibble: low four bits of quant 4v + i; high nibble: of 4(v + 32) + i
-//       +4R       b[r][i]           the same for quants 4(v + 16) + i and 4(v + 48) + i
-//       +8R       h[r][i]           bits 2k, 2k + 1: the top two bits of quant 4(v + 16k) + i (k = 0..3)
+//       +0        a[r][i]           bits 0-5: quant 4v + i; bits 6, 7: bits 0, 1 of quant 4(v + 48) + i
+//       +4R       b[r][i]           bits 0-5: quant 4(v + 16) + i; bits 6, 7: bits 2, 3 of quant 4(v + 48) + i
+//       +8R       c[r][i]           bits 0-5: quant 4(v + 32) + i; bits 6, 7: bits 4, 5 of quant 4(v + 48) + i
+//                                   (three of a run's four quants are one AND away: 9 vector operations
+//                                   unpack a run where nibbles and a byte of top bits took 13)
 // Q4_0, Q4_1, Q8_0 (blocks of 32), R = 16, the file's block bytes times R:
 //     0         d[r]                f16
 //     2R        m[r]                f16 (Q4_1 only)

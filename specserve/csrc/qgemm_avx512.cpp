@@ -122,7 +122,8 @@ constexpr int kQ6x16Scales = 32, kQ6x16Runs = 288, kQ6x16Run = 192;  // gguf_pac
 // its four groups (vpdpbusd), then its scales. The block is read front to back.
 template <int R, bool kAhead>
 inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc, const uint8_t* pf) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i m3f = _mm512_set1_epi8(0x3F), m03 = _mm512_set1_epi8(0x03), m0f = _mm512_set1_epi8(0x0F),
+                  mc0 = _mm512_set1_epi8((char)0xC0);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -137,14 +138,12 @@ inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride,
             const uint8_t* run = g + kQ6x16Runs + kQ6x16Run * v;
             const __m512i a = _mm512_loadu_si512((const void*)run);
             const __m512i b = _mm512_loadu_si512((const void*)(run + 64));
-            const __m512i h = _mm512_loadu_si512((const void*)(run + 128));
-            // top bits 2k, 2k + 1 of each byte to bits 4, 5 (16-bit shifts: what crosses a byte is masked off);
-            // (lo & m4) | hi in one vpternlogd
+            const __m512i c = _mm512_loadu_si512((const void*)(run + 128));
+            // quants of groups 0..2: the low six bits; group 3's: the top two bits of a, b, c in turn
+            const __m512i y = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 6), _mm512_srli_epi16(b, 4), m03, 0xE4);
             const __m512i q[4] = {
-                _mm512_ternarylogic_epi32(a, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), m4, 0xEC),
-                _mm512_ternarylogic_epi32(b, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), m4, 0xEC),
-                _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 4), _mm512_and_si512(h, m30), m4, 0xEC),
-                _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), m4, 0xEC),
+                _mm512_and_si512(a, m3f), _mm512_and_si512(b, m3f), _mm512_and_si512(c, m3f),
+                _mm512_ternarylogic_epi32(y, _mm512_srli_epi16(_mm512_and_si512(c, mc0), 2), m0f, 0xE4),
             };
             for (int k = 0; k < 4; k++)
                 for (int r = 0; r < R; r++) p[k][r] = dpbusd_bcast(p[k][r], q[k], x[r * stride].qs + 4 * (v + 16 * k));
@@ -164,7 +163,8 @@ inline void dot_q6kx16_by_run(const uint8_t* g, const ActQ8K* x, int64_t stride,
 // the same result, bit for bit.
 template <int R, bool kAhead>
 inline void dot_q6kx16_by_sub_block(const uint8_t* g, const ActQ8K* x, int64_t stride, __m512* acc, const uint8_t* pf) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i m3f = _mm512_set1_epi8(0x3F), m03 = _mm512_set1_epi8(0x03), m0f = _mm512_set1_epi8(0x0F),
+                  mc0 = _mm512_set1_epi8((char)0xC0);
     __m512i isum[R];
     for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
@@ -177,11 +177,16 @@ inline void dot_q6kx16_by_sub_block(const uint8_t* g, const ActQ8K* x, int64_t s
         for (int t = 0; t < 4; t++) {
             const int u = 4 * s + t, v = u % 16;
             const uint8_t* run = g + kQ6x16Runs + kQ6x16Run * v;
-            const __m512i lq = _mm512_loadu_si512((const void*)(run + 64 * (k & 1)));
-            const __m512i h = _mm512_loadu_si512((const void*)(run + 128));
-            const __m512i lo = k < 2 ? lq : _mm512_srli_epi16(lq, 4);
-            const __m512i hs = k == 0 ? _mm512_slli_epi16(h, 4) : k == 1 ? _mm512_slli_epi16(h, 2) : k == 2 ? h : _mm512_srli_epi16(h, 2);
-            const __m512i q = _mm512_ternarylogic_epi32(lo, _mm512_and_si512(hs, m30), m4, 0xEC);
+            __m512i q;
+            if (k < 3) {
+                q = _mm512_and_si512(_mm512_loadu_si512((const void*)(run + 64 * k)), m3f);
+            } else {
+                const __m512i a = _mm512_loadu_si512((const void*)run);
+                const __m512i b = _mm512_loadu_si512((const void*)(run + 64));
+                const __m512i c = _mm512_loadu_si512((const void*)(run + 128));
+                const __m512i y = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 6), _mm512_srli_epi16(b, 4), m03, 0xE4);
+                q = _mm512_ternarylogic_epi32(y, _mm512_srli_epi16(_mm512_and_si512(c, mc0), 2), m0f, 0xE4);
+            }
             for (int r = 0; r < R; r++) p[r] = dpbusd_bcast(p[r], q, x[r * stride].qs + 4 * u);
         }
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(g + kQ6x16Scales + 16 * s)));
