@@ -148,6 +148,19 @@ class ShuffledGrants(FixedController):
         return Selection(counts, float(sampling_rows), float("nan"), 0.0)
 
 
+def record_proposed_tokens(drafter: Any) -> list[int]:
+    """A list that collects every token `drafter` proposes from now on (its `propose` wrapped)."""
+    propose, seen = drafter.propose, []
+
+    def spy(requests: Any) -> Any:
+        out = propose(requests)
+        seen.extend(t for tree in out for t in tree.tokens)
+        return out
+
+    drafter.propose = spy
+    return seen
+
+
 def shuffle_grants(llm: Any, seed: int = 0) -> Any:
     """`llm` with its speculation controller replaced by ShuffledGrants."""
     llm.engine.speculator.controller = ShuffledGrants(seed)

@@ -22,7 +22,7 @@ from specserve.model import ops
 from specserve.model.gguf_file import GGUFError, GGUFFile
 from specserve.model.quant import PREFETCH_POLICIES
 
-from conftest import random_prompts, shuffle_grants, write_random_head
+from conftest import random_prompts, record_proposed_tokens, shuffle_grants, write_random_head
 from gguf_fixtures import random_blocks, write_model
 
 ops.load()
@@ -428,14 +428,7 @@ def test_a_gguf_draft_cut_to_its_first_token_ids_proposes_only_them_and_output_i
     drafter = llm.engine.speculator.drafters["draft-model"]
     head = drafter.forward.__self__.model.lm_head
     assert (head.keep, head.tail) == (128, 259)  # rounded up to whole spans of 64 rows; no special token beyond
-    propose, proposed = drafter.propose, []
-
-    def spy(requests):  # type: ignore[no-untyped-def]
-        out = propose(requests)
-        proposed.extend(t for tree in out for t in tree.tokens)
-        return out
-
-    drafter.propose = spy
+    proposed = record_proposed_tokens(drafter)
     outs = llm.generate(random_prompts(6, seed=9, vocab=259), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain
     assert proposed and max(proposed) < 128

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from specserve import LLM, SamplingParams
 
-from conftest import random_prompts, shuffle_grants
+from conftest import random_prompts, record_proposed_tokens, shuffle_grants
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
@@ -638,14 +638,7 @@ def test_a_draft_model_cut_to_its_first_token_ids_proposes_only_them_and_output_
     assert cut.shape == full.shape
     torch.testing.assert_close(cut[:, :64], full[:, :64])
     assert torch.isneginf(cut[:, 64:]).all()
-    propose, proposed = drafter.propose, []
-
-    def spy(requests):  # type: ignore[no-untyped-def]
-        out = propose(requests)
-        proposed.extend(t for tree in out for t in tree.tokens)
-        return out
-
-    drafter.propose = spy
+    proposed = record_proposed_tokens(drafter)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, GREEDY,
                                                                                                   use_tqdm=False)]
