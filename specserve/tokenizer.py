@@ -218,11 +218,11 @@ def end_of_generation_ids(tokenizer: Any) -> frozenset[int]:
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """The ids of the tokens a tokenizer added to its vocabulary (the chat format's markers, tool
-    calls, end of turn: where BPE tokenizers put them, at the end), those that end a generation,
+    calls, end of turn, END_OF_GENERATION's among them: where BPE tokenizers put them, at the end)
     and its eos id."""
     ids = {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
     eos = getattr(tokenizer, "eos_token_id", None)
-    return frozenset(ids | end_of_generation_ids(tokenizer) | ({eos} if isinstance(eos, int) else set()))
+    return frozenset(ids | ({eos} if isinstance(eos, int) else set()))
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],

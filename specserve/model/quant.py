@@ -353,7 +353,7 @@ class GGUFLinearKernel(nn.Module):
                 lo, hi = max(start, first), min(end, first + part.shape[0])
                 if lo < hi:
                     group = PACKED_BY_ID[type_id].rows if type_id in PACKED_BY_ID else 1
-                    if (lo - first) % group or ((hi - first) % group and hi - first != part.shape[0]):
+                    if (lo - first) % group or (hi - first) % group:  # (a packed part is whole groups)
                         raise ValueError(f"rows: [{start}, {end}) cuts a group of {group} packed rows")
                     rows = part[lo - first:hi - first]
                     parts.append(rows.clone() if copy else rows)
