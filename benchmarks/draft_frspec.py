@@ -4,11 +4,15 @@ head, both drafting for the 1.5B target with a fixed budget of K tokens, on Spec
 first questions (greedy, 128 tokens, the two engines taking each prompt in turn); and a one-token
 forward of the target and of the draft (each head) timed in turn, what a draft token costs.
 
-The rows' frequency is counted on HumanEval's prompts (not the measured ones), ties broken by token
-id (byte-level BPE ids run roughly from frequent to rare). A measurement to decide whether to build
-it, not the engine's code: the cut head is patched onto the draft model here.
+The rows are ranked by their count in HumanEval's prompts (not the measured ones), ties broken by
+token id, or (`--census ids`) by token id alone (byte-level BPE ids run roughly from frequent to
+rare: the rule the engine's `--draft-vocab` took from these runs); `--q4-0` rounds the kept rows to
+Q4_0 and packs them, as the draft's full head is. The cut head is patched onto the draft model here
+(any set of rows; the engine's own cut, LlamaForCausalLM.read_out_vocabulary, keeps spans of ids),
+and the engine's own cut is off in both engines.
 
     python benchmarks/draft_frspec.py --target $M --draft $D --rows 32768 --tokens 2 --json out.json
+    python benchmarks/draft_frspec.py --target $M --draft $D --rows 32768 --census ids --q4-0 --tokens 3
 """
 
 from __future__ import annotations
