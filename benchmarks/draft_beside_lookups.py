@@ -6,7 +6,7 @@ beside plain decoding twice (`none`, `none-again`: the run's noise).
 
 For each engine with a draft model: the seconds it spent catching up (`Drafter.catch_up_seconds`)
 and proposing, the steps that verified its chains and their accepted tokens. `--catch-up-share`
-sets `Speculator.MAX_CATCH_UP_SHARE` for an extra engine (`inf`: the draft model runs whatever its
+sets `Speculator.CATCH_UP_SHARE` (of the drafts' expected saving) for an extra engine (`inf`: the draft model runs whatever its
 catch-up costs, as before session 22).
 
     python benchmarks/draft_beside_lookups.py --target $M --draft $D --skip 1 --per-category 2 \\
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=1, help="questions skipped at the start of each category")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--catch-up-share", type=float, default=None,
-                    help="an extra engine with this MAX_CATCH_UP_SHARE (inf: no limit)")
+                    help="an extra engine with this CATCH_UP_SHARE (inf: no limit)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path)
@@ -76,7 +76,11 @@ def main() -> None:
     if a.catch_up_share is not None:
         name = f"auto+draft@share={a.catch_up_share:g}"
         engines[name] = LLM(a.target, threads=a.threads, speculative=dict(method="auto", draft_model=a.draft))
-        engines[name].engine.core.speculator.MAX_CATCH_UP_SHARE = a.catch_up_share
+        speculator = engines[name].engine.core.speculator
+        if a.catch_up_share == float("inf"):
+            speculator._catch_up_unpaid = lambda *args: False
+        else:
+            speculator.CATCH_UP_SHARE = a.catch_up_share
     engines["none-again"] = LLM(a.target, threads=a.threads)
     counts = {n: instrument(llm) for n, llm in engines.items() if llm.engine.core.speculator.enabled}
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)

@@ -537,7 +537,8 @@ def test_a_draft_model_is_not_run_where_its_catch_up_costs_more_than_the_request
 ) -> None:
     """A request whose draft model would first catch up on more tokens than a step feeds (its
     prompt here) is not drafted for by the model when that catch-up, at the measured seconds a token,
-    costs more than MAX_CATCH_UP_SHARE of the request's remaining plain decoding: with catching up
+    costs more than MAX_CATCH_UP_SHARE of the request's remaining plain decoding and CATCH_UP_SHARE
+    of what its drafts are expected to save: with catching up
     priced at 10 s a token the model is never asked (nor explored), priced at nothing it is; the
     output is plain decoding's either way."""
     prompts = random_prompts(3, seed=29, low=30, high=40)
@@ -557,6 +558,41 @@ def test_a_draft_model_is_not_run_where_its_catch_up_costs_more_than_the_request
         drafter.propose = spy
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
         assert bool(seen) is asked
+
+
+def test_a_draft_models_catch_up_is_weighed_against_what_its_drafts_save_beyond_the_lookups(
+    tiny_llama: Path, draft_dir: Path
+) -> None:
+    """The catch-up rule's arithmetic, on one request whose draft is 39 tokens behind (its prompt),
+    at 10 ms a plain step: a catch-up of 0.3 s, above MAX_CATCH_UP_SHARE (5%) of 200 tokens' plain
+    time (0.1 s), runs where the model's chain (0.8, 0.7, 0.6, 0.5 at 0.3 tokens a node: 1.4 tokens
+    net in 3.6 a step, 0.39 of a token's time saved, 0.78 s over 200 tokens) pays twice for it and
+    no lookup is on; not where a lookup is on and expected to give more (its drafts need no catch-up),
+    nor where 20 tokens are left to repay it (0.08 s saved); a catch-up within 5% always runs (the
+    estimates are then tried, not trusted)."""
+    from specserve.speculation.controller import StepShape
+    from specserve.speculation.drafter import DraftRequest, RequestView
+    from specserve.speculation.speculator import Decode, _Offer, _Step
+
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto", draft_model=str(draft_dir)))
+    speculator = llm.engine.speculator
+    model = speculator.drafters["draft-model"]
+    values, per_node = (0.8, 0.7, 0.6, 0.5, 0.2), 0.3
+
+    def unpaid(lookups: bool, left: int, per_token: float = 0.3 / 39) -> bool:
+        view = RequestView("r", tuple(range(1, 41)), (), SamplingParams(max_tokens=left))
+        speculator._step = _Step(shape=StepShape(1, 0, 41))
+        speculator._step.plain_seconds = 0.01
+        speculator._active = {n: d for n, d in speculator.drafters.items() if lookups or d.runs_a_model}
+        speculator._worth = lambda name, rid, nodes, cost=0.0: 2.0  # a lookup expected to give 2 tokens a step
+        model._per_token = per_token  # as if measured so: 39 tokens to catch up (the last is fed when drafting)
+        offer = _Offer(Decode(0, DraftRequest(view, 8)), "draft-model")
+        return speculator._catch_up_unpaid(offer, values, per_node, 1)
+
+    assert not unpaid(lookups=False, left=200)
+    assert unpaid(lookups=True, left=200)
+    assert unpaid(lookups=False, left=20)
+    assert not unpaid(lookups=True, left=200, per_token=0.0025)  # 0.0975 s: within 5% of 200 tokens' 2 s
 
 
 def test_a_draft_model_whose_node_costs_a_token_is_not_run(tiny_llama: Path) -> None:

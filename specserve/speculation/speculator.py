@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -314,17 +315,23 @@ class Speculator:
         self._step.probing = frozenset(n for n, m in modes.items() if m is Mode.PROBE)
 
     def _choose(self, request: DraftRequest, base: StepShape, rows: int) -> str:
-        """The drafter expected to give this request the most accepted tokens; a model drafter's
-        counted net of what its nodes cost (`_model_worth`: a lookup's cost is microseconds)."""
+        """The drafter expected to give this request the most accepted tokens net of what its nodes
+        cost: a model drafter's, its forwards and rows (`_model_worth`); a lookup's (its own time is
+        microseconds), its rows in the verifying forward. Counted gross, a lookup's long chain of
+        unlikely nodes (eight at 0.15-0.25 each, 1.4 tokens) beat the 0.5B's chain worth 0.75 net
+        (0.8, 0.6, 0.5, 0.4 at 0.4 a node) on the 1.5B's Spec-Bench at batch 1, and then proposed
+        nothing on most of those steps (humanities: 64 plain steps of 108)."""
         if len(self._active) == 1:
             return next(iter(self._active))
         rid = request.view.request_id
         probing = self._step.probing
+        plain = self._step.plain_seconds
+        node = self._node_cost(base, plain, rows, request.num_computed + 1) if plain else 0.0
 
         def worth(name: str) -> float:
             if self._active[name].runs_a_model:
                 return self._model_worth(name, request, base, rows)
-            return self._worth(name, rid, request.budget)
+            return self._worth(name, rid, request.budget, node)
 
         return max(self._active, key=lambda name: (name in probing, worth(name)))
 
@@ -349,12 +356,14 @@ class Speculator:
         (`depth_seconds`) and its row in the verifying forward (`_node_cost`)."""
         return depth_seconds * max(rows, 1) / plain + self._node_cost(base, plain, rows, context)
 
-    def _worth(self, name: str, request_id: str, nodes: int) -> float:
+    def _worth(self, name: str, request_id: str, nodes: int, cost: float = 0.0) -> float:
         """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
-        proposes anything times its chain's expected accepted nodes, by measured acceptance."""
+        proposes anything times its chain's expected accepted nodes, by measured acceptance, each
+        net of `cost` (a node's, in tokens: the chain ends where a node is worth less)."""
         a = self.acceptance
-        chain = sum(a.chain_values(name, request_id, nodes))
-        return a.proposes(name, request_id) * chain * self._calibration.factor(name)
+        f = self._calibration.factor(name)
+        chain = sum(max(0.0, f * v - cost) for v in a.chain_values(name, request_id, nodes))
+        return a.proposes(name, request_id) * chain
 
     def _grant(self, offers: list[_Offer], base: StepShape, rows: int) -> None:
         """Nodes each request may draft: what its expected acceptance pays for, counting the
@@ -381,7 +390,7 @@ class Speculator:
             # token or more no acceptance pays for it (at batch 8 on the 1.5B the 0.5B's cost that,
             # and drafting with it there lost to plain decoding; BENCHMARKS.md, session 22)
             per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context) if model and plain else 0.0
-            unpaid = model and (per_node >= 1.0 or self._catch_up_unpaid(o, rows))
+            unpaid = model and (per_node >= 1.0 or self._catch_up_unpaid(o, c.values, per_node, rows))
             if unpaid:
                 count = 0
             # A model drafter the guard probes is run whatever the estimates say (they are what a
@@ -414,22 +423,44 @@ class Speculator:
                 o.grant = 1 if model else o.request.budget
 
     # A model drafter is not run for a request whose catching up (its prompt's window, or the tokens
-    # since it last drafted for it) would cost more than this share of the request's remaining plain
-    # decoding: on the 1.5B's Spec-Bench at batch 1, the 0.5B's catch-up on a 256-token window took 6-8%
-    # of a long-prompt request's time (128 tokens), and the model then drafted on one step of 70-90
-    # while the lookups drafted the rest (BENCHMARKS.md, session 22).
+    # since it last drafted for it) would cost more than both MAX_CATCH_UP_SHARE of the request's
+    # remaining plain decoding and CATCH_UP_SHARE of what its drafts are expected to save over the
+    # request's next CATCH_UP_HORIZON tokens beyond what the lookups' would (`_catch_up_unpaid`).
+    # The first bound alone (session 22: on the 1.5B's Spec-Bench at batch 1 the 0.5B's catch-up on a
+    # 256-token window took 6-8% of a long-prompt request's time, and the model then drafted on one
+    # step of 70-90 while the lookups copied the rest) also held the model off where nothing else
+    # drafted: with the guard keeping the lookups off, its ~0.3 s catch-up (7% of 128 tokens) kept it
+    # off for the whole of the extraction, summarization and RAG prompts (~250 plain steps of ~700,
+    # where its drafts gave 2.8 tokens a step elsewhere). The second alone keeps it off wherever its
+    # estimates, its prior from other requests, say it does not pay, so it is never tried for the
+    # request (nor probed) and the estimates never learn otherwise: a cheap catch-up stays allowed.
     MAX_CATCH_UP_SHARE = 0.05
+    CATCH_UP_SHARE = 0.5
+    CATCH_UP_HORIZON = 256
 
-    def _catch_up_unpaid(self, o: _Offer, rows: int) -> bool:
-        """Whether running the offer's model drafter would first cost a catch-up larger than
-        MAX_CATCH_UP_SHARE of the request's remaining tokens at the plain step's time, that step's
-        time shared by the `rows` requests it decodes (a catch-up holds up every one of them)."""
+    def _catch_up_unpaid(self, o: _Offer, values: Sequence[float], per_node: float, rows: int) -> bool:
+        """Whether running the offer's model drafter would first cost a catch-up above both
+        MAX_CATCH_UP_SHARE of the request's remaining tokens at the plain step's time and
+        CATCH_UP_SHARE of its drafts' expected saving: `values`, its chain's expected acceptance,
+        each node costing `per_node` tokens at the plain step's rate, against the best lookup
+        drafter's expected accepted tokens net of their rows, both as the share of a token's plain
+        time they save, over the request's next CATCH_UP_HORIZON tokens (or fewer left). The catch-up holds up
+        every one of the step's `rows` requests: it counts `rows` times."""
         plain = self._step.plain_seconds
         if not plain:
             return False
         view = o.request.view
+        cost = self._active[o.name].catch_up_cost(view) * max(rows, 1)
         remaining = view.params.max_tokens - len(view.output_token_ids)
-        return self._active[o.name].catch_up_cost(view) > self.MAX_CATCH_UP_SHARE * remaining * plain / max(rows, 1)
+        if cost <= self.MAX_CATCH_UP_SHARE * remaining * plain:
+            return False
+        kept = [v for v in values if v > per_node]
+        accepted = sum(kept)
+        model = (accepted - per_node * len(kept)) / (1.0 + accepted)
+        node = self._node_cost(self._step.shape, plain, rows, o.request.num_computed + 1)
+        lookup = max((self._worth(n, o.rid, o.request.budget, node) for n in self._lookups()), default=0.0)
+        saving = min(remaining, self.CATCH_UP_HORIZON) * plain * (model - lookup / (1.0 + lookup))
+        return cost > self.CATCH_UP_SHARE * saving
 
     def _behind(self, request_id: str) -> bool:
         """Whether the request's tokens so far came slower than plain decoding's pace: its steps'
