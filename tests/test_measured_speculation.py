@@ -307,6 +307,18 @@ def test_under_auto_a_drafter_whose_drafts_lose_is_switched_off_while_one_that_p
     assert guard.stats().turned_off == 1 and guard.stats().buckets_off == 1
 
 
+def test_a_drafter_that_clearly_pays_spares_the_shape_the_close_drafters_control_steps() -> None:
+    """The plain reference is the shape's: beside a drafter whose drafts clearly pay (1.5x), one
+    whose gain is close to plain's (1.1x) does not make every `control_close`-th step plain (a
+    control step gives up the step's drafts, whichever drafter's); alone, it does."""
+    for gains, every in (({"good": 1.5, "close": 1.1}, 64), ({"close": 1.1}, 8)):
+        guard = GoodputGuard(GuardConfig(control_every=64, control_close=8, close=0.25))
+        said = run_drafters(guard, 300, 0, gains)
+        plain = [i for i, m in enumerate(said) if set(m.values()) == {Mode.PLAIN}]
+        assert guard.stats().turned_off == 0
+        assert plain[0] == 0 and len(plain) > 2 and all(b - a == every for a, b in zip(plain[1:], plain[2:])), plain
+
+
 def test_drafters_never_judged_at_a_shape_go_off_with_the_first_that_loses_there() -> None:
     """With drafts that always lose, every drafter costs about what one would: those not judged yet
     at the shape go off with the first and are probed on its schedule; once judged, each goes its

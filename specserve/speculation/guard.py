@@ -6,7 +6,8 @@ inputs they have not seen. The guard looks only at what happened: for decode-onl
 how many requests decode and how much context they attend to, it keeps a moving average of the
 seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
 came for a while: 64 steps where drafts clearly pay, 8 while their gain is within 25% of plain's,
-every step while the shape is off) and of the steps taken while drafting is on (their whole time
+unless another drafter's at the shape clearly pays: the reference is the shape's; every step while
+the shape is off) and of the steps taken while drafting is on (their whole time
 over every token they emitted, accepted and bonus; where no request waits for room and several
 decode, the part of a step that is not per request counts only as many tokens a request as
 drafting gives the request it speeds least: the batch ends with its slowest request): those that
@@ -189,7 +190,14 @@ class GoodputGuard:
         drafter's bucket records. A plain reference for any bucket that is on makes the step plain
         for all; else an off bucket says PLAIN or PROBE, an on one DRAFT."""
         keys = {name: (*shape, name) for name in drafters}
-        said = {name: self._say(k, self._bucket(k), step_no, requests) for name, k in keys.items()}
+        buckets = {name: self._bucket(k) for name, k in keys.items()}
+        # The plain reference is the shape's, shared by its drafters, and a control step gives up the
+        # gain of whichever drafter the step would have verified: where one clearly pays here, the
+        # others' gains near plain's do not call for a control every `control_close` steps (on the
+        # 1.5B's Spec-Bench at batch 1, ngram's and recycling's made every eighth step plain while
+        # the draft model's drafts gave 1.5x plain's rate).
+        clear = any(self._clearly_pays(keys[n], b) for n, b in buckets.items())
+        said = {name: self._say(keys[name], b, step_no, requests, clear) for name, b in buckets.items()}
         if any(m is Mode.PLAIN and not self._buckets[keys[n]].off for n, m in said.items()):
             return dict.fromkeys(drafters, Mode.PLAIN)
         probing = {id(self._config(keys[n])) for n, m in said.items() if m is Mode.PROBE}
@@ -216,7 +224,8 @@ class GoodputGuard:
     def _config(self, key: tuple[int, int, str]) -> GuardConfig:
         return self.per_drafter.get(key[2], self.config)
 
-    def _say(self, key: tuple[int, int, str], b: _Bucket, step_no: int, requests: frozenset[str]) -> Mode:
+    def _say(self, key: tuple[int, int, str], b: _Bucket, step_no: int, requests: frozenset[str],
+             clear: bool = False) -> Mode:
         b.requests = requests
         c = self._config(key)
         if b.off and requests and b.off_for and not requests & b.off_for and key[0] <= c.fresh_requests_rows:
@@ -227,7 +236,8 @@ class GoodputGuard:
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
-        if b.plain.steps == 0 or (b.seconds.steps and since >= c.control_close and since >= self._control_every(c, b)):
+        if b.plain.steps == 0 or (b.seconds.steps and since >= c.control_close
+                                  and since >= (c.control_every if clear else self._control_every(c, b))):
             return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
         return Mode.DRAFT
 
@@ -237,6 +247,12 @@ class GoodputGuard:
         at other contexts) decides the judgment; many where drafts clearly pay (each control step
         gives up their gain)."""
         return c.control_close if abs(b.gain() - 1.0) < c.close else c.control_every
+
+    def _clearly_pays(self, key: tuple[int, int, str], b: _Bucket) -> bool:
+        """Whether the drafter's drafts at this shape are on and, judged on at least `min_steps`
+        drafted steps, deliver beyond `close` more than plain's rate."""
+        c = self._config(key)
+        return not b.off and b.plain.steps > 0 and b.seconds.steps >= c.min_steps and b.gain() >= 1.0 + c.close
 
     def record_step(self, shape: tuple[int, int], modes: dict[str, Mode], step_no: int, drafted_by: set[str],
                     seconds: float, tokens: float, rows: int, judged: bool = True, expected: float | None = None) -> None:
