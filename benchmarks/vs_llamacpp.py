@@ -22,6 +22,10 @@ With `--in-process`, each specserve configuration is also run in this process af
 stop (`LLM.chat` on the same prompts, same options, every engine built first and the prompts taken
 by each in turn): the server's overhead per
 token is the ratio of the two.
+
+For each specserve server, each request's share of its speculation counters (its /metrics'
+`specserve_spec_*`, read between requests: tokens drafted and accepted, steps the guard kept plain,
+drafters switched off, requests drafted for by each drafter) is in the JSON beside its time.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Config:
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
+    spec: list[dict[str, float]] = field(default_factory=list)  # a specserve server's counters after each request
 
     def start(self, log_dir: Path) -> None:
         log = open(log_dir / f"{self.name}.log", "wb")
@@ -95,6 +100,20 @@ def chat(port: int, prompt: str, max_tokens: int) -> float:
     seconds = time.perf_counter() - start
     conn.close()
     return seconds
+
+
+def spec_counters(port: int) -> dict[str, float]:
+    """A specserve server's speculation counters (`specserve_spec_*` in its /metrics, histograms
+    aside), read between requests: what drafting did, request by request, in a served run."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    out = {}
+    for line in conn.getresponse().read().decode().splitlines():
+        if line.startswith("specserve_spec_") and "_bucket{" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name.removeprefix("specserve_spec_")] = float(value)
+    conn.close()
+    return out
 
 
 def _completion(port: int, prompt: str, max_tokens: int, **extra: object) -> tuple[float, dict]:
@@ -220,6 +239,8 @@ def main() -> None:
             c.wait_ready()
         for c in configs:
             chat(c.port, "Hello", 8)  # warm-up
+            if c.name.startswith("specserve"):
+                c.spec.append(spec_counters(c.port))  # the counters' start
         for i, case in enumerate(structured):
             for c in configs:
                 seconds, tokens, text = structured_chat(c.port, case["prompt"], case["schema"], a.max_tokens)
@@ -236,6 +257,8 @@ def main() -> None:
                         c.tokens.append(tokens)
                     else:
                         c.seconds.append(chat(c.port, s.prompt, a.max_tokens))
+                    if c.name.startswith("specserve"):
+                        c.spec.append(spec_counters(c.port))
                 print(f"round {r + 1} prompt {i + 1}/{len(samples)} done", file=sys.stderr, flush=True)
     finally:
         for c in configs:
@@ -262,6 +285,9 @@ def main() -> None:
             cats = [s.category or s.prompt[:24] for s in samples] * a.rounds
             row["per_request"] = [{"category": cat, "tokens": n, "seconds": round(t, 4)}
                                   for cat, n, t in zip(cats, tokens, c.seconds)]
+            for req, before, now in zip(row["per_request"], c.spec, c.spec[1:]):  # each request's share of the counters
+                req["spec"] = {k: round(v - before.get(k, 0.0), 4) for k, v in now.items()
+                               if "relative_error" not in k and v != before.get(k, 0.0)}
         rows.append(row)
     width = max(len(r["config"]) for r in rows)
     print(f"{'config':<{width}}  tok/s   median req tok/s   ratio vs {base.name}")

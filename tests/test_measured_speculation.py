@@ -274,21 +274,21 @@ def test_a_bucket_born_off_measures_plain_steps_before_it_probes() -> None:
 
 
 def run_drafters(guard: GoodputGuard, steps: int, start: int, gains: dict[str, float],
-                 turns: bool = True) -> list[dict[str, Mode]]:
+                 turns: bool = True, key: tuple[int, int] = KEY) -> list[dict[str, Mode]]:
     """`steps` steps of 8 requests at KEY under several drafters: a plain step emits 8 tokens at
     10 ms a token; a drafted step verifies the trees of one drafter among those the guard lets draft
     (taking turns, or the first listed: the one the acceptance model values most), which emits 16
     tokens at 10 ms / gain a token."""
     said = []
     for n in range(start, start + steps):
-        modes = guard.modes(KEY, list(gains), n)
+        modes = guard.modes(key, list(gains), n)
         mode = Mode.PROBE if Mode.PROBE in modes.values() else Mode.DRAFT if Mode.DRAFT in modes.values() else Mode.PLAIN
         names = [name for name, m in modes.items() if m is mode and mode is not Mode.PLAIN]
         if names:
             name = names[n % len(names)] if turns else names[0]
-            guard.record_step(KEY, modes, n, {name}, 16 * 0.010 / gains[name], 16, 8)
+            guard.record_step(key, modes, n, {name}, 16 * 0.010 / gains[name], 16, 8)
         else:
-            guard.record_step(KEY, modes, n, set(), 8 * 0.010, 8, 8)
+            guard.record_step(key, modes, n, set(), 8 * 0.010, 8, 8)
         said.append(modes)
     return said
 
@@ -308,12 +308,15 @@ def test_under_auto_a_drafter_whose_drafts_lose_is_switched_off_while_one_that_p
 
 
 def test_a_drafter_that_clearly_pays_spares_the_shape_the_close_drafters_control_steps() -> None:
-    """The plain reference is the shape's: beside a drafter whose drafts clearly pay (1.5x), one
-    whose gain is close to plain's (1.1x) does not make every `control_close`-th step plain (a
-    control step gives up the step's drafts, whichever drafter's); alone, it does."""
-    for gains, every in (({"good": 1.5, "close": 1.1}, 64), ({"close": 1.1}, 8)):
+    """The plain reference is the shape's: at batch 1, beside a drafter whose drafts clearly pay
+    (1.5x), one whose gain is close to plain's (1.1x) does not make every `control_close`-th step
+    plain (a control step gives up the step's drafts, whichever drafter's); alone, or at batch 8
+    (where it was not measured), it does."""
+    one = GoodputGuard.key(1, 100)
+    for gains, key, every in (({"good": 1.5, "close": 1.1}, one, 64), ({"close": 1.1}, one, 8),
+                              ({"good": 1.5, "close": 1.1}, KEY, 8)):
         guard = GoodputGuard(GuardConfig(control_every=64, control_close=8, close=0.25))
-        said = run_drafters(guard, 300, 0, gains)
+        said = run_drafters(guard, 300, 0, gains, key=key)
         plain = [i for i, m in enumerate(said) if set(m.values()) == {Mode.PLAIN}]
         assert guard.stats().turned_off == 0
         assert plain[0] == 0 and len(plain) > 2 and all(b - a == every for a, b in zip(plain[1:], plain[2:])), plain

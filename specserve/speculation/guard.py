@@ -195,8 +195,8 @@ class GoodputGuard:
         # gain of whichever drafter the step would have verified: where one clearly pays here, the
         # others' gains near plain's do not call for a control every `control_close` steps (on the
         # 1.5B's Spec-Bench at batch 1, ngram's and recycling's made every eighth step plain while
-        # the draft model's drafts gave 1.5x plain's rate).
-        clear = any(self._clearly_pays(keys[n], b) for n, b in buckets.items())
+        # the draft model's drafts gave 1.5x plain's rate). Measured at batch 1 only, and kept there.
+        clear = shape[0] <= 1 and any(self._clearly_pays(keys[n], b) for n, b in buckets.items())
         said = {name: self._say(keys[name], b, step_no, requests, clear) for name, b in buckets.items()}
         if any(m is Mode.PLAIN and not self._buckets[keys[n]].off for n, m in said.items()):
             return dict.fromkeys(drafters, Mode.PLAIN)
