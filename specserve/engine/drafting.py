@@ -74,9 +74,9 @@ class BlockPool:
 # in rounds over the sizes. Two tries each leave the 1.5B's one-to-two-token difference anywhere from
 # 1.7 to 4.9 ms over six probes on a 2-core Zen 4 (a step ~30 ms; one run that started from 5.4 ms
 # judged a draft model's nodes too dear for most of Spec-Bench: 1,187 steps where a run that probed
-# ~2 ms took 708); five tries each steadied it (2.3-4.4 ms, taken in rounds) but made a timing test of
-# the tiny model's (a draft whose catch-up is not held against it) fail two runs in three, so two
-# stay until that is understood (BENCHMARKS.md, session 27).
+# ~2 ms took 708); more tries steady it (the best of six: 2.3-4.4 ms), but five a size made a timing
+# test of the tiny model's (a draft whose catch-up is not held against it) fail two runs in three, so
+# two stay until that is understood (BENCHMARKS.md, session 27).
 PROBE_SMALL = 8
 PROBE_TRIES_SMALL = 2
 PROBE_TRIES_LARGE = 2

@@ -6,8 +6,8 @@ inputs they have not seen. The guard looks only at what happened: for decode-onl
 how many requests decode and how much context they attend to, it keeps a moving average of the
 seconds per emitted token of the steps it makes plain (a shape's first, a control step when none
 came for a while: 64 steps where drafts clearly pay, 8 while their gain is within 25% of plain's,
-unless another drafter's at the shape clearly pays: the reference is the shape's; every step while
-the shape is off) and of the steps taken while drafting is on (their whole time
+unless, at batch 1, another drafter's at the shape clearly pays: the reference is the shape's;
+every step while the shape is off) and of the steps taken while drafting is on (their whole time
 over every token they emitted, accepted and bonus; where no request waits for room and several
 decode, the part of a step that is not per request counts only as many tokens a request as
 drafting gives the request it speeds least: the batch ends with its slowest request): those that

@@ -320,10 +320,10 @@ class Speculator:
         microseconds), its rows in the verifying forward. Counted gross, a lookup's long chain of
         unlikely nodes (eight at 0.15-0.25 each, 1.4 tokens) beat the 0.5B's chain worth 0.75 net
         (0.8, 0.6, 0.5, 0.4 at 0.4 a node) on the 1.5B's Spec-Bench at batch 1, and then proposed
-        nothing on most of those steps (humanities: 64 plain steps of 108). Only at batch 1: at
-        batch 8 (ShareGPT, the same models) lookups counted net of their rows lost more requests to
-        the model, whose drafts there lost to plain decoding (0.77-0.80x `none`, 0.97x counted gross;
-        its own forwards are charged by `_model_worth` at every batch, but not yet measured early on)."""
+        nothing on most of those steps (humanities: 64 plain steps of 108). Only at batch 1, where it
+        was measured: at batch 8 (ShareGPT, the same models, where the model's drafts lose to plain
+        decoding) one run gave 0.84x `none` counted net and 0.97x gross, within that workload's
+        spread between runs (0.84-0.98x; BENCHMARKS.md, session 27)."""
         if len(self._active) == 1:
             return next(iter(self._active))
         rid = request.view.request_id
@@ -447,11 +447,11 @@ class Speculator:
         CATCH_UP_SHARE of its drafts' expected saving: `values`, its chain's expected acceptance,
         each node costing `per_node` tokens at the plain step's rate, against the best lookup
         drafter's expected accepted tokens net of their rows, both as the share of a token's plain
-        time they save, over the request's next CATCH_UP_HORIZON tokens (or fewer left). The catch-up holds up
-        every one of the step's `rows` requests: it counts `rows` times, and at more than one the
-        first bound alone decides (the second was measured at batch 1; at batch 8 on ShareGPT,
-        where drafting with the model loses, this session's runs gave 0.77-0.92x `none` with it
-        and without it alike, within that workload's run-to-run spread)."""
+        time they save, over the request's next CATCH_UP_HORIZON tokens (or fewer left). The
+        catch-up holds up every one of the step's `rows` requests: it counts `rows` times, and at
+        more than one the first bound alone decides (the second was measured at batch 1; at batch 8
+        on ShareGPT, where drafting with the model loses, runs with it and without it gave
+        0.84-0.87x `none` alike)."""
         plain = self._step.plain_seconds
         if not plain:
             return False
