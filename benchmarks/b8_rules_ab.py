@@ -2,11 +2,11 @@
 first 32 usable prompts, greedy, up to 256 tokens, one continuous batch of at most 8), every engine
 built in one process and run in turn over the same prompts. Variants, comma-separated: `none`;
 `new` (the code as it is); names holding `oldcatch` (the catch-up bound alone: CATCH_UP_SHARE 0),
-`noclear` (no shared control interval), `grosschoose` (lookups' worth counted gross) and `probe2`
-(two probe tries a size) for the rules they name turned back. Since 9ab9931 the first three apply
+`noclear` (no shared control interval) and `grosschoose` (lookups' worth counted gross) for the
+rules they name turned back, `probe5` (five probe tries a size, as on 428a99b). Since 9ab9931 the first three apply
 at batch 1 only, so at batch 8 `new` is session 26's rules.
 
-    python benchmarks/b8_rules_ab.py $M $D none,new,grosschoose-probe2-oldcatch-noclear
+    python benchmarks/b8_rules_ab.py $M $D none,new,grosschoose-oldcatch-noclear
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def main() -> None:
         if v == "none":
             llms[v] = LLM(target, max_num_seqs=8)
             continue
-        tries = drafting.PROBE_TRIES_SMALL
-        drafting.PROBE_TRIES_SMALL = 2 if "probe2" in v else 5 if "probe5" in v else tries
+        tries = drafting.PROBE_TRIES
+        drafting.PROBE_TRIES = 5 if "probe5" in v else tries
         llm = LLM(target, max_num_seqs=8, speculative=dict(method="auto", draft_model=draft))
-        drafting.PROBE_TRIES_SMALL = tries
+        drafting.PROBE_TRIES = tries
         sp = llm.engine.core.speculator
         if "oldcatch" in v:
             sp.CATCH_UP_SHARE = 0.0

@@ -105,14 +105,19 @@ def chat(port: int, prompt: str, max_tokens: int) -> float:
 def spec_counters(port: int) -> dict[str, float]:
     """A specserve server's speculation counters (`specserve_spec_*` in its /metrics, histograms
     aside), read between requests: what drafting did, request by request, in a served run."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/metrics")
-    out = {}
-    for line in conn.getresponse().read().decode().splitlines():
-        if line.startswith("specserve_spec_") and "_bucket{" not in line:
-            name, _, value = line.rpartition(" ")
-            out[name.removeprefix("specserve_spec_")] = float(value)
+    text = conn.getresponse().read().decode()
     conn.close()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("specserve_spec_") and family.type != "histogram":
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                name = sample.name.removeprefix("specserve_spec_") + (f"{{{labels}}}" if labels else "")
+                out[name] = sample.value
     return out
 
 

@@ -69,34 +69,28 @@ class BlockPool:
             self.blocks.free(seq)
 
 
-# Tries of each probed size up to PROBE_SMALL tokens (the few verified rows a draft adds at small
-# batches, whose cost the controller weighs every step), PROBE_TRIES_LARGE of the larger ones, taken
-# in rounds over the sizes. Two tries each leave the 1.5B's one-to-two-token difference anywhere from
-# 1.7 to 4.9 ms over six probes on a 2-core Zen 4 (a step ~30 ms; one run that started from 5.4 ms
-# judged a draft model's nodes too dear for most of Spec-Bench: 1,187 steps where a run that probed
-# ~2 ms took 708); more tries steady it (the best of six: 2.3-4.4 ms), but five a size made a timing
-# test of the tiny model's (a draft whose catch-up is not held against it) fail two runs in three, so
-# two stay until that is understood (BENCHMARKS.md, session 27).
-PROBE_SMALL = 8
-PROBE_TRIES_SMALL = 2
-PROBE_TRIES_LARGE = 2
+# Tries of each probed size, taken in rounds over the sizes. Two leave the 1.5B's one-to-two-token
+# difference anywhere from 1.7 to 4.9 ms over six probes on a 2-core Zen 4 (a step ~30 ms; one run
+# that started from 5.4 ms judged a draft model's nodes too dear for most of Spec-Bench: 1,187 steps
+# where a run that probed ~2 ms took 708); more steady it (the best of six: 2.3-4.4 ms), but five a
+# size up to 8 tokens made a timing test of the tiny model's (a draft whose catch-up is not held
+# against it) fail two runs in three, so two stay until that is understood (BENCHMARKS.md, session 27).
+PROBE_TRIES = 2
 
 
 def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=PROBE_SIZES) -> dict[int, float]:
     """Seconds of one forward by number of new tokens, measured on this machine before the first
-    request: the best of PROBE_TRIES_SMALL runs each up to PROBE_SMALL tokens, of PROBE_TRIES_LARGE
-    above, taken in rounds over every size (so that a slow moment of the machine weighs on one try
-    of each size, not on every try of one). Writes K/V only into blocks no request holds yet."""
+    request: the best of PROBE_TRIES runs each, taken in rounds over the sizes (so that a slow
+    moment of the machine weighs on one try of each size, not on every try of one). Writes K/V only
+    into blocks no request holds yet."""
     bs = runner.block_size
     fits = [n for n in sizes if n <= max_tokens and n <= num_blocks * bs] or [1]
     table = list(range(min(num_blocks, -(-max(fits) // bs))))
     seconds = dict.fromkeys(fits, float("inf"))
     with torch.inference_mode():
         runner.run([ForwardItem(table, 0, [0])])  # warm-up
-        for round_no in range(max(PROBE_TRIES_SMALL, PROBE_TRIES_LARGE)):
+        for _ in range(PROBE_TRIES):
             for n in fits:
-                if round_no >= (PROBE_TRIES_SMALL if n <= PROBE_SMALL else PROBE_TRIES_LARGE):
-                    continue
                 start = time.perf_counter()
                 out = runner.run([ForwardItem(table, 0, [0] * n)])
                 out.logits.sum().item()  # wait for the device
