@@ -808,8 +808,12 @@ def test_auto_compares_trees_by_expected_accepted_nodes_net_of_what_verifying_th
     assert sum(values["ngram"]) > sum(values["suffix"])
     cost = 0.3
     assert sp._net_value("suffix", "r", short_chain, cost) > sp._net_value("ngram", "r", long_chain, cost)
+    # a profile as probed on a model whose second row costs something (a tiny model's forwards of
+    # one and two tokens can time alike, and the profile then prices the node at nothing)
+    sp.controller.cost = StepCostModel(ForwardProfile({1: 0.003, 64: 0.066}), per_context=0.00001)
     base = StepShape(1, 0, 100)
-    assert sp._node_cost(base, sp.controller.predict(base), 1, 100) > 0
+    sp._step.plain_seconds = sp._step.token_seconds = sp.controller.predict(base)
+    assert sp._node_cost(base, 100) > 0
 
 
 class SlowToCatchUp(Oracle):
@@ -839,6 +843,52 @@ def test_a_model_drafters_catching_up_is_not_held_against_its_drafts(tiny_llama:
     steps = counted_steps(llm)
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
     assert steps[0] <= 0.5 * 2 * 64, f"{steps[0]} steps"
+
+
+class BehindModel(Oracle):
+    """An oracle that "runs a model" whose catching up for any request would take `catch_up` s."""
+
+    runs_a_model = True
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], catch_up: float) -> None:
+        super().__init__(continuations)
+        self.catch_up = catch_up
+
+    def catch_up_cost(self, view) -> float:  # type: ignore[no-untyped-def]
+        return self.catch_up
+
+
+@pytest.mark.parametrize("yardstick", ["decode", "mixed step"])
+def test_in_a_step_carrying_a_prompt_chunk_a_models_catch_up_is_weighed_at_the_decode_rate(
+        tiny_llama: Path, yardstick: str) -> None:
+    """A token a draft saves is a row of a later decode-only step, not a share of the step it is
+    drafted in: beside a 256-token prompt chunk, two decodes' tokens are valued at a decode-only
+    step of the two over two (`token_seconds`: 2 ms here, where the mixed step's time over its two
+    sampling rows is 130 ms). A model drafter whose catching up (0.1 s a request) is above 5% of the
+    100 tokens the requests have left at the decode rate (20 ms) is not run for them; valued at the
+    mixed step's rate (1.3 s), as before session 28, it was (on ShareGPT at batch 8 on the 1.5B the
+    0.5B then caught up for 1.3-3.9 s a run in such steps, for a few hundred tokens)."""
+    from specserve.speculation.drafter import RequestView
+    from specserve.speculation.speculator import Decode
+
+    llm = LLM(str(tiny_llama), speculative=dict(method="auto", controller="fixed"))
+    sp = llm.engine.speculator
+    prompts = [tuple(p) for p in random_prompts(2, seed=53)]
+    model = BehindModel({p: list(range(1, 9)) for p in prompts}, catch_up=0.1)
+    sp.drafters, sp.guard = {"model": model}, None
+    sp.controller.predict = lambda shape: 0.002 + 0.001 * (shape.tokens - 2)  # 2 ms a decode step of two
+    select = sp.controller.select  # grants every node: the catch-up rule alone decides
+    sp.controller.select = lambda base, rows, candidates, behind=False: dataclasses.replace(
+        select(base, rows, candidates, behind), counts=tuple(len(c.values) for c in candidates))
+    sp._model_node_cost = lambda *args: 0.0
+    if yardstick == "mixed step":  # the rule broken on purpose: the mixed step's time over its rows
+        sp._token_seconds = lambda decodes, base, rows: sp._step.plain_seconds / rows
+    decodes = [Decode(i, DraftRequest(RequestView(f"r{i}", p, (), SamplingParams(max_tokens=100)), 4,
+                                      num_computed=len(p) - 1)) for i, p in enumerate(prompts)]
+    base = StepShape(2 + 256, 0, sum(len(p) for p in prompts) + 256 * 128)
+    sp.propose(decodes, base, sampling_rows=2)
+    assert sp._step.plain_seconds == pytest.approx(0.258)
+    assert (model.asked == 0) if yardstick == "decode" else (model.asked == 2), model.asked
 
 
 def test_auto_with_a_draft_model_copies_where_a_lookup_has_the_text(tiny_llama: Path) -> None:

@@ -582,7 +582,7 @@ def test_a_draft_models_catch_up_is_weighed_against_what_its_drafts_save_beyond_
     def unpaid(lookups: bool, left: int, per_token: float = 0.3 / 39) -> bool:
         view = RequestView("r", tuple(range(1, 41)), (), SamplingParams(max_tokens=left))
         speculator._step = _Step(shape=StepShape(1, 0, 41))
-        speculator._step.plain_seconds = 0.01
+        speculator._step.plain_seconds = speculator._step.token_seconds = 0.01  # a decode-only step of one
         speculator._active = {n: d for n, d in speculator.drafters.items() if lookups or d.runs_a_model}
         speculator._worth = lambda name, rid, nodes, cost=0.0: 2.0  # a lookup expected to give 2 tokens a step
         model._per_token = per_token  # as if measured so: 39 tokens to catch up (the last is fed when drafting)

@@ -201,6 +201,7 @@ class _Step:
     shape: StepShape | None = None
     predicted_seconds: float | None = None
     plain_seconds: float | None = None  # the step's predicted time without drafts (the pace's yardstick)
+    token_seconds: float | None = None  # a decoding request's token at the plain rate: drafts' costs are valued in it
     propose_seconds: float = 0.0
     catch_up_seconds: float = 0.0  # of propose_seconds, a model drafter's catching up (Drafter.catch_up_seconds)
     learners: frozenset[str] = frozenset()  # drafters that learn from the target's rows this step
@@ -273,6 +274,7 @@ class Speculator:
         self._open = True
         if self.enabled and decodes:
             self._step.plain_seconds = self.controller.predict(base)
+            self._step.token_seconds = self._token_seconds(decodes, base, sampling_rows)
         self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
         if self.enabled and self.guard is not None:
             if base.tokens == sampling_rows:  # decode-only
@@ -298,6 +300,23 @@ class Speculator:
             logger.exception("speculation failed while proposing; the step decodes plainly")
             self._step = _Step(shape=base, rows={i: _Row(view=r.view) for i, r in self._step.rows.items()})
             return {}
+
+    def _token_seconds(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> float | None:
+        """What a decoding request's token costs at the plain rate, the yardstick a draft's costs
+        (a model's forwards and catching up, verified rows) are weighed in: a decode-only step's
+        predicted time over its rows; with a prompt chunk in the step, a decode-only step's for
+        these decodes over their number. An accepted token saves a row of a later decode step, not
+        a share of this step's chunk: valued at the mixed step's time a token looked worth 50 ms
+        where it saves 8, and on ShareGPT at batch 8 on the 1.5B the 0.5B caught up and drafted
+        in the steps with a prompt chunk (1.3-3.9 s of catching up a run, for a few hundred
+        tokens; BENCHMARKS.md, session 28)."""
+        plain = self._step.plain_seconds
+        if plain is None:
+            return None
+        if base.tokens == sampling_rows:
+            return plain / max(sampling_rows, 1)
+        decode = self.controller.predict(StepShape(len(decodes), 0, sum(d.request.num_computed + 1 for d in decodes)))
+        return None if decode is None else decode / len(decodes)
 
     def _ask_guard(self, decodes: list[Decode], base: StepShape, sampling_rows: int) -> None:
         """The guard's say on each drafter at this step's shape: the step drafts with the drafters
@@ -328,8 +347,7 @@ class Speculator:
             return next(iter(self._active))
         rid = request.view.request_id
         probing = self._step.probing
-        plain = self._step.plain_seconds
-        node = self._node_cost(base, plain, rows, request.num_computed + 1) if plain and rows <= 1 else 0.0
+        node = self._node_cost(base, request.num_computed + 1) if rows <= 1 else 0.0
 
         def worth(name: str) -> float:
             if self._active[name].runs_a_model:
@@ -347,17 +365,16 @@ class Speculator:
         rid = request.view.request_id
         gross = [self.acceptance.proposes(name, rid) * self._calibration.factor(name) * v
                  for v in self.acceptance.chain_values(name, rid, request.budget)]
-        plain = self._step.plain_seconds
-        if not plain:
+        if not self._step.token_seconds:
             return sum(gross)
-        per_node = self._model_node_cost(self._propose_cost.get(name, 0.0), base, plain, rows,
-                                         request.num_computed + 1)
+        per_node = self._model_node_cost(self._propose_cost.get(name, 0.0), base, request.num_computed + 1)
         return sum(max(0.0, v - per_node) for v in gross)
 
-    def _model_node_cost(self, depth_seconds: float, base: StepShape, plain: float, rows: int, context: int) -> float:
-        """What a model drafter's node costs, in tokens at the plain step's rate: its depth's forward
-        (`depth_seconds`) and its row in the verifying forward (`_node_cost`)."""
-        return depth_seconds * max(rows, 1) / plain + self._node_cost(base, plain, rows, context)
+    def _model_node_cost(self, depth_seconds: float, base: StepShape, context: int) -> float:
+        """What a model drafter's node costs, in tokens at the plain rate (`token_seconds`): its
+        depth's forward (`depth_seconds`) and its row in the verifying forward (`_node_cost`)."""
+        token = self._step.token_seconds
+        return depth_seconds / token + self._node_cost(base, context) if token else 0.0
 
     def _worth(self, name: str, request_id: str, nodes: int, cost: float = 0.0) -> float:
         """Expected accepted tokens of `name` drafting `nodes` for the request: the chance it
@@ -385,14 +402,14 @@ class Speculator:
             else:
                 candidates.append(Candidate(values, fixed_cost=cost, context=context, behind=behind))
         asked = {o.decode.index for o in offers}
-        plain = self._step.plain_seconds
+        token = self._step.token_seconds
         for o, c, count in zip(offers, candidates,
                                self.controller.select(base, rows, candidates, self._behind_outside(asked)).counts):
             model = self._active[o.name].runs_a_model
             # a model's node: its depth's measured forward, charged to the request, and its row; at a
             # token or more no acceptance pays for it (at batch 8 on the 1.5B the 0.5B's cost that,
             # and drafting with it there lost to plain decoding; BENCHMARKS.md, session 22)
-            per_node = self._model_node_cost(c.node_cost, base, plain, rows, c.context) if model and plain else 0.0
+            per_node = self._model_node_cost(c.node_cost, base, c.context) if model else 0.0
             unpaid = model and (per_node >= 1.0 or self._catch_up_unpaid(o, c.values, per_node, rows))
             if unpaid:
                 count = 0
@@ -404,7 +421,7 @@ class Speculator:
             probed = (model and not unpaid and rows <= 1 and o.name in self._step.probing
                       and self._active[o.name].stops_by_value)
             o.grant = count
-            if (count or probed) and model and plain and self._active[o.name].stops_by_value:
+            if (count or probed) and model and token and self._active[o.name].stops_by_value:
                 # How far a model's chain pays is told best by the model itself as it drafts: its
                 # confidence in the chain so far against what a node costs (its depth's forward,
                 # its row in the verifying forward), in tokens at the plain step's rate. The
@@ -452,12 +469,13 @@ class Speculator:
         more than one the first bound alone decides (the second was measured at batch 1; at batch 8
         on ShareGPT, where drafting with the model loses, runs with it and without it gave
         0.84-0.87x `none` alike)."""
-        plain = self._step.plain_seconds
-        if not plain:
+        token = self._step.token_seconds
+        if not token:
             return False
         view = o.request.view
         cost = self._active[o.name].catch_up_cost(view) * max(rows, 1)
         remaining = view.params.max_tokens - len(view.output_token_ids)
+        plain = token * max(rows, 1)  # a decode step's, of `rows` requests
         if cost <= self.MAX_CATCH_UP_SHARE * remaining * plain:
             return False
         if rows > 1:  # measured at batch 1 only: at more, the first bound alone (see the docstring)
@@ -465,7 +483,7 @@ class Speculator:
         kept = [v for v in values if v > per_node]
         accepted = sum(kept)
         model = (accepted - per_node * len(kept)) / (1.0 + accepted)
-        node = self._node_cost(self._step.shape, plain, rows, o.request.num_computed + 1)
+        node = self._node_cost(self._step.shape, o.request.num_computed + 1)
         lookup = max((self._worth(n, o.rid, o.request.budget, node) for n in self._lookups()), default=0.0)
         saving = min(remaining, self.CATCH_UP_HORIZON) * plain * (model - lookup / (1.0 + lookup))
         return cost > self.CATCH_UP_SHARE * saving
@@ -516,11 +534,10 @@ class Speculator:
             for n in names:
                 asked.setdefault(n, []).append(o)
         trees: dict[int, list[tuple[str, DraftTree]]] = {}  # by id of the offer
-        plain = self._step.plain_seconds  # `propose` predicted the step without drafts already
         for name, group in sorted(asked.items(), key=lambda item: self._active[item[0]].runs_a_model):
             drafter = self._active[name]
             if drafter.runs_a_model:
-                group = [o for o in group if not self._copy_beats_model(o, trees.get(id(o), []), base, plain, rows)]
+                group = [o for o in group if not self._copy_beats_model(o, trees.get(id(o), []), base)]
                 if not group:
                     continue
             requests = [replace(o.request, budget=o.grant, min_value=o.min_value) for o in group]
@@ -550,7 +567,7 @@ class Speculator:
         by_id = {id(o): o for o in offers}
         for rank, (key, options) in enumerate(trees.items()):
             o = by_id[key]
-            cost = self._node_cost(base, plain, rows, o.request.num_computed + 1) if len(options) > 1 else 0.0
+            cost = self._node_cost(base, o.request.num_computed + 1) if len(options) > 1 else 0.0
             nets = [self._net_value(name, o.rid, tree, cost) for name, tree in options]
             best = max(range(len(options)), key=lambda i: (self._probe_first(options, nets, i), nets[i]))
             o.name, o.tree = options[best]
@@ -571,8 +588,7 @@ class Speculator:
         on = [v for (name, _), v in zip(options, nets) if name not in probing]
         return not on or max(on) - nets[i] < self.PROBE_DISPLACES
 
-    def _copy_beats_model(self, o: _Offer, options: list[tuple[str, DraftTree]], base: StepShape,
-                          plain: float | None, rows: int) -> bool:
+    def _copy_beats_model(self, o: _Offer, options: list[tuple[str, DraftTree]], base: StepShape) -> bool:
         """Whether a lookup's tree for the request (`options`, proposed already) is worth at least
         what the model drafter's chain is expected to be, net of costs: then the model is not run for
         it. Under `auto` the model's chain is the likelier choice for most requests (its worth is
@@ -581,22 +597,23 @@ class Speculator:
         (`model_net` 0: exploring, or a fixed controller's) gives way to any lookup's tree."""
         if not options:
             return False
-        cost = self._node_cost(base, plain, rows, o.request.num_computed + 1)
+        cost = self._node_cost(base, o.request.num_computed + 1)
         if o.name in self._step.probing:  # a probe runs the model unless a lookup's tree would displace it
             return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= self.PROBE_DISPLACES
         if o.model_net <= 0.0:
             return True
         return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= o.model_net
 
-    def _node_cost(self, base: StepShape, plain: float | None, rows: int, context: int) -> float:
+    def _node_cost(self, base: StepShape, context: int) -> float:
         """What verifying one more node (attending to `context`) adds to this step's predicted time
-        (`plain`: the step's without drafts), in tokens at the step's plain rate (the plain step's
-        time over the tokens it emits); 0 where no cost model predicts (fixed grants)."""
+        (the step's without drafts), in tokens at the plain rate (`token_seconds`); 0 where no cost
+        model predicts (fixed grants)."""
+        plain, token = self._step.plain_seconds, self._step.token_seconds
+        if plain is None or token is None or plain <= 0 or token <= 0:
+            return 0.0
         more = self.controller.predict(StepShape(base.tokens + 1, base.drafted, base.attended + context,
                                                  base.hot + context))
-        if plain is None or more is None or plain <= 0:
-            return 0.0
-        return max(0.0, (more - plain) * max(rows, 1) / plain)
+        return 0.0 if more is None else max(0.0, (more - plain) / token)
 
     def _net_value(self, name: str, request_id: str, tree: DraftTree, cost: float) -> float:
         """A tree's expected accepted nodes less what verifying them costs, counting only the nodes
