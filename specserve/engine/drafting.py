@@ -37,7 +37,14 @@ logger = logging.getLogger("specserve.engine")
 # its LM head reads out (SpeculativeConfig.draft_vocab): (model, tokenizer).
 DraftBuilder = Callable[[str, int, str, "int | None"], "tuple[LlamaForCausalLM, Any]"]
 
-PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Forward sizes probed at start. The CPU kernels take activation rows in passes of 8 (4 for the
+# legacy GGUF types), each pass unpacking the weights again, so a forward's time jumps at the row
+# after a pass is full: on the 1.5B on a 2-core Xeon (AVX-512), 8 rows 95 ms, 9 rows 115, 16 rows
+# 160, 17 rows 179 (benchmarks/rows_per_forward.py). Probed only at powers of two, the profile drew
+# a line from 8 to 16 and priced a ninth row at 8 ms where it cost 20: at batch 8 on ShareGPT `auto`
+# verified a node or two on 88 steps, 111 ms each against 91 plain, for one more token a step
+# (BENCHMARKS.md, session 28). The row after each full pass up to 16 is probed too.
+PROBE_SIZES = (1, 2, 4, 5, 8, 9, 16, 17, 32, 64, 128)
 
 # The guard where a drafter runs a model: a drafted step's outcome varies more (a chain of several
 # forwards, accepted from none of it to all), so it is judged over more steps and probes last
