@@ -891,6 +891,33 @@ def test_in_a_step_carrying_a_prompt_chunk_a_models_catch_up_is_weighed_at_the_d
     assert (model.asked == 0) if yardstick == "decode" else (model.asked == 2), model.asked
 
 
+@pytest.mark.parametrize("ninth_row", ["dear", "cheap"])
+def test_a_node_verified_only_to_keep_measuring_is_verified_only_where_a_node_is_cheap(
+        tiny_llama: Path, ninth_row: str) -> None:
+    """Now and then a request whose estimates give it nothing has one node verified anyway, so that
+    its acceptance keeps being measured; at eight requests a step on a forward whose ninth row costs
+    20 ms (the kernels' second pass of rows: 2.3 tokens at 70 ms a step of eight) that node never
+    pays, and it is not verified; where a row costs next to nothing it is. Estimates give nothing
+    here (the controller selects no node), so explored nodes are all that is verified; outputs are
+    plain decoding's either way."""
+    prompts = random_prompts(8, seed=59, low=8, high=9)  # one length: the eight decode side by side to the end
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama), max_num_seqs=8).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative="suffix", max_num_seqs=8)
+    sp = llm.engine.speculator
+    sp.drafters = {name: Oracle({tuple(p): o for p, o in zip(prompts, plain)}) for name in sp.drafters}
+    sp.guard = None
+    profile = {1: 0.060, 8: 0.070, 9: 0.090, 16: 0.140} if ninth_row == "dear" else {1: 0.060, 16: 0.0615}
+    sp.controller.cost = StepCostModel(ForwardProfile(profile))
+    sp.controller.learn = lambda shape, seconds: None  # the profile as given, not the tiny model's clock
+    select = sp.controller.select
+    sp.controller.select = lambda base, rows, candidates, behind=False: dataclasses.replace(
+        select(base, rows, candidates, behind), counts=(0,) * len(candidates))
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    verified = sum(k * n for k, n in llm.engine.speculation_stats().grants)
+    assert (verified == 0) if ninth_row == "dear" else (verified >= 8), verified
+
+
 def test_auto_with_a_draft_model_copies_where_a_lookup_has_the_text(tiny_llama: Path) -> None:
     """`auto` given a draft model drafts with it beside the lookups; the lookups are asked first, and
     where one proposes text worth more than the model's chain is expected to be (net of what its

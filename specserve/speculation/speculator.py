@@ -499,6 +499,23 @@ class Speculator:
         return any(r.view is not None and i not in indices and self._behind(r.view.request_id)
                    for i, r in self._step.rows.items())
 
+    # A node verified only to keep measuring a request (`_select`) is verified where it costs less than
+    # this, in tokens at the plain rate. The CPU kernels take rows in passes of 8: at batch 8 on the
+    # 1.5B the ninth row cost 20 ms, 1.6 tokens, and with every request exploring every 16th step
+    # half the steps paid it for a node accepted two times in five (ShareGPT, `auto`; BENCHMARKS.md,
+    # session 28). At batch 1 and 4 the node costs 0.0-0.2 tokens and exploring goes on as before.
+    EXPLORE_MAX_COST = 0.5
+
+    def _explores_cheaply(self, base: StepShape, nodes: int) -> bool:
+        """Whether one more node, beside the `nodes` kept already, costs less than EXPLORE_MAX_COST
+        tokens at the plain rate (`token_seconds`); true where no cost model predicts."""
+        token = self._step.token_seconds
+        now = self.controller.predict(StepShape(base.tokens + nodes, base.drafted, base.attended, base.hot))
+        more = self.controller.predict(StepShape(base.tokens + nodes + 1, base.drafted, base.attended, base.hot))
+        if not token or now is None or more is None:
+            return True
+        return (more - now) / token < self.EXPLORE_MAX_COST
+
     def _exploring(self, request_id: str, name: str) -> bool:
         """Whether this step drafts for the request although the estimates say it does not pay:
         a request given nothing is never measured again, so now and then it is (and every request
@@ -675,9 +692,12 @@ class Speculator:
         kept_tokens = 0
         attended = 0
         step = self._step
+        selected = sum(sel.counts)
         for o, v, order, k in zip(offers, values, orders, sel.counts):
-            if k == 0 and (o.name in self._step.probing or (self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0):
+            if k == 0 and (o.name in self._step.probing or ((self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0
+                                                             and self._explores_cheaply(base, selected))):
                 k = 1  # now and then one node is verified whatever the estimate, so it can recover
+                selected += 1
             if k == 0:
                 continue
             kept = order[:k]
