@@ -506,16 +506,6 @@ class Speculator:
     # session 28). At batch 1 and 4 the node costs 0.0-0.2 tokens and exploring goes on as before.
     EXPLORE_MAX_COST = 0.5
 
-    def _explores_cheaply(self, base: StepShape, nodes: int) -> bool:
-        """Whether one more node, beside the `nodes` kept already, costs less than EXPLORE_MAX_COST
-        tokens at the plain rate (`token_seconds`); true where no cost model predicts."""
-        token = self._step.token_seconds
-        now = self.controller.predict(StepShape(base.tokens + nodes, base.drafted, base.attended, base.hot))
-        more = self.controller.predict(StepShape(base.tokens + nodes + 1, base.drafted, base.attended, base.hot))
-        if not token or now is None or more is None:
-            return True
-        return (more - now) / token < self.EXPLORE_MAX_COST
-
     def _exploring(self, request_id: str, name: str) -> bool:
         """Whether this step drafts for the request although the estimates say it does not pay:
         a request given nothing is never measured again, so now and then it is (and every request
@@ -621,16 +611,18 @@ class Speculator:
             return True
         return max(self._net_value(n, o.rid, t, cost) for n, t in options) >= o.model_net
 
-    def _node_cost(self, base: StepShape, context: int) -> float:
+    def _node_cost(self, base: StepShape, context: int, nodes: int = 0) -> float:
         """What verifying one more node (attending to `context`) adds to this step's predicted time
-        (the step's without drafts), in tokens at the plain rate (`token_seconds`); 0 where no cost
-        model predicts (fixed grants)."""
+        (the step's without drafts, or with `nodes` kept already), in tokens at the plain rate
+        (`token_seconds`); 0 where no cost model predicts (fixed grants)."""
         plain, token = self._step.plain_seconds, self._step.token_seconds
-        if plain is None or token is None or plain <= 0 or token <= 0:
+        if not plain or not token:
             return 0.0
-        more = self.controller.predict(StepShape(base.tokens + 1, base.drafted, base.attended + context,
+        if nodes:
+            plain = self.controller.predict(StepShape(base.tokens + nodes, base.drafted, base.attended, base.hot))
+        more = self.controller.predict(StepShape(base.tokens + nodes + 1, base.drafted, base.attended + context,
                                                  base.hot + context))
-        return 0.0 if more is None else max(0.0, (more - plain) / token)
+        return 0.0 if more is None or plain is None else max(0.0, (more - plain) / token)
 
     def _net_value(self, name: str, request_id: str, tree: DraftTree, cost: float) -> float:
         """A tree's expected accepted nodes less what verifying them costs, counting only the nodes
@@ -695,7 +687,7 @@ class Speculator:
         selected = sum(sel.counts)
         for o, v, order, k in zip(offers, values, orders, sel.counts):
             if k == 0 and (o.name in self._step.probing or ((self._since_draft.get(o.rid, 0) + 1) % self.explore_every == 0
-                                                             and self._explores_cheaply(base, selected))):
+                           and self._node_cost(base, o.request.num_computed + 1, selected) < self.EXPLORE_MAX_COST)):
                 k = 1  # now and then one node is verified whatever the estimate, so it can recover
                 selected += 1
             if k == 0:
