@@ -15,7 +15,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.speculation.controller import ForwardProfile, StepCostModel, StepShape
-from specserve.speculation.drafter import Drafter, DraftRequest
+from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
 from specserve.speculation.guard import GoodputGuard, GuardConfig, Mode
 from specserve.speculation.tree import DraftTree, replay
 
@@ -854,7 +854,7 @@ class BehindModel(Oracle):
         super().__init__(continuations)
         self.catch_up = catch_up
 
-    def catch_up_cost(self, view) -> float:  # type: ignore[no-untyped-def]
+    def catch_up_cost(self, view: RequestView) -> float:
         return self.catch_up
 
 
@@ -868,7 +868,6 @@ def test_in_a_step_carrying_a_prompt_chunk_a_models_catch_up_is_weighed_at_the_d
     100 tokens the requests have left at the decode rate (20 ms) is not run for them; valued at the
     mixed step's rate (1.3 s), as before session 28, it was (on ShareGPT at batch 8 on the 1.5B the
     0.5B then caught up for 1.3-3.9 s a run in such steps, for a few hundred tokens)."""
-    from specserve.speculation.drafter import RequestView
     from specserve.speculation.speculator import Decode
 
     llm = LLM(str(tiny_llama), speculative=dict(method="auto", controller="fixed"))
