@@ -56,6 +56,35 @@ def test_select_keeps_the_best_nodes_of_every_choice() -> None:
         assert goodput(ctl, base, base.tokens, cands, sel.counts) == pytest.approx(best, rel=1e-9), trial
 
 
+# The bundled model's forward at batch 1 on a 2-core Xeon, by rows (ms): flat to five rows, then a
+# step (BENCHMARKS.md, session 30)
+STEPPED = {1: 7.3e-3, 2: 7.25e-3, 4: 8.0e-3, 5: 8.3e-3, 6: 11.2e-3, 8: 12.0e-3, 9: 13.8e-3, 16: 19.8e-3, 32: 30e-3}
+
+
+def test_select_keeps_the_best_nodes_where_the_forward_cost_rises_in_steps() -> None:
+    """Where a CPU's forward costs about the same for 1 to 5 rows and jumps at the 6th, pricing a
+    node at the secant over the nodes selected kept 8 nodes where 4 gave more per second (86 of
+    200 random cases below, up to 20% less): against every possible selection, the controller's
+    has the highest expected tokens per second."""
+    rng = random.Random(1)
+    ctl = GoodputController(StepCostModel(ForwardProfile(STEPPED)), min_value=0.0)
+    for trial in range(200):
+        rows = rng.choice([1, 1, 2, 3])
+        base = StepShape(tokens=rows)
+        cands = []
+        for _ in range(rows):
+            p, vals = 1.0, []
+            for _ in range(rng.randint(0, 8)):
+                p *= rng.uniform(0.3, 0.99)
+                vals.append(p)
+            cands.append(Candidate(tuple(vals), context=rng.choice([0, 200])))
+        sel = ctl.select(base, rows, cands)
+        best = max(goodput(ctl, base, rows, cands, c)
+                   for c in itertools.product(*[range(len(c.values) + 1) for c in cands]))
+        assert goodput(ctl, base, rows, cands, sel.counts) == pytest.approx(best, rel=1e-9), trial
+        assert sel.expected_tokens / sel.seconds == pytest.approx(best, rel=1e-9), trial  # what it reports
+
+
 def test_nothing_is_drafted_where_it_cannot_pay_and_everything_likely_where_it_is_free() -> None:
     unlikely = [Candidate((0.05, 0.01))] * 4
     likely = [Candidate((0.9, 0.8, 0.7, 0.6, 0.3, 0.1))] * 4
@@ -131,15 +160,15 @@ def test_a_latency_target_bounds_every_requests_time_per_token() -> None:
         return sel.seconds / least
 
     free = GoodputController(StepCostModel(ForwardProfile(rising))).select(StepShape(rows), rows, likely)
-    assert sum(free.counts) > 50 and free.seconds > 0.015  # throughput's choice: a slow step
-    for slo in (0.015, 0.011, 0.002):
+    assert sum(free.counts) > 50 and free.seconds > 0.0115  # throughput's choice: a slower step
+    for slo in (0.0115, 0.011, 0.002):
         ctl = GoodputController(StepCostModel(ForwardProfile(rising)), latency_slo=slo)
         sel = ctl.select(StepShape(rows), rows, likely)
         bound = max(slo, ctl.predict(StepShape(rows)))
         assert worst_tpot(ctl, sel) <= bound + 1e-12
         assert 0 < sum(sel.counts) < sum(free.counts)  # nearly free rows are still used, the rest cut
         assert sel.expected_tokens > rows
-    for slack in (0.0, 0.25):  # a bound relative to the plain step alone
+    for slack in (0.0, 0.1):  # a bound relative to the plain step alone
         ctl = GoodputController(StepCostModel(ForwardProfile(rising)), latency_slack=slack)
         sel = ctl.select(StepShape(rows), rows, likely)
         plain = ctl.predict(StepShape(rows))
