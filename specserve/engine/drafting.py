@@ -76,28 +76,37 @@ class BlockPool:
             self.blocks.free(seq)
 
 
-# Tries of each probed size, taken in rounds over the sizes. Two leave the 1.5B's one-to-two-token
-# difference anywhere from 1.7 to 4.9 ms over six probes on a 2-core Zen 4 (a step ~30 ms; one run
-# that started from 5.4 ms judged a draft model's nodes too dear for most of Spec-Bench: 1,187 steps
-# where a run that probed ~2 ms took 708); more steady it (the best of six: 2.3-4.4 ms), but five a
-# size up to 8 tokens made a timing test of the tiny model's (a draft whose catch-up is not held
-# against it) fail two runs in three, so two stay until that is understood (BENCHMARKS.md, session 27).
+# Tries of each probed size, taken in rounds over the sizes, after a round that is not timed.
+# Two leave the 1.5B's one-to-two-token difference anywhere from 1.7 to 4.9 ms over six probes on a
+# 2-core Zen 4 (a step ~30 ms; one run that started from 5.4 ms judged a draft model's nodes too dear
+# for most of Spec-Bench: 1,187 steps where a run that probed ~2 ms took 708; BENCHMARKS.md, session
+# 27). The sizes a decode step's drafts reach (up to SMALL_PROBE tokens) are cheap and decide what a
+# draft node costs: they are tried PROBE_TRIES_SMALL times. Without the untimed round the first
+# speculating engine a process built probed its small sizes 4-25% slower than the next one did
+# (their profile flatter: extra rows looked cheap), and in `bench spec` the method listed first lost
+# 3-5% to the same method listed second (BENCHMARKS.md, session 30).
 PROBE_TRIES = 2
+PROBE_TRIES_SMALL = 4
+SMALL_PROBE = 17
 
 
 def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=PROBE_SIZES) -> dict[int, float]:
     """Seconds of one forward by number of new tokens, measured on this machine before the first
-    request: the best of PROBE_TRIES runs each, taken in rounds over the sizes (so that a slow
-    moment of the machine weighs on one try of each size, not on every try of one). Writes K/V only
-    into blocks no request holds yet."""
+    request: the best of PROBE_TRIES runs each (PROBE_TRIES_SMALL up to SMALL_PROBE tokens), taken
+    in rounds over the sizes (so that a slow moment of the machine weighs on one try of each size,
+    not on every try of one), after an untimed round over the small sizes. Writes K/V only into
+    blocks no request holds yet."""
     bs = runner.block_size
     fits = [n for n in sizes if n <= max_tokens and n <= num_blocks * bs] or [1]
     table = list(range(min(num_blocks, -(-max(fits) // bs))))
     seconds = dict.fromkeys(fits, float("inf"))
     with torch.inference_mode():
-        runner.run([ForwardItem(table, 0, [0])])  # warm-up
-        for _ in range(PROBE_TRIES):
+        for n in [n for n in fits if n <= SMALL_PROBE] or fits[:1]:  # warm-up
+            runner.run([ForwardItem(table, 0, [0] * n)]).logits.sum().item()
+        for r in range(max(PROBE_TRIES, PROBE_TRIES_SMALL)):
             for n in fits:
+                if r >= (PROBE_TRIES_SMALL if n <= SMALL_PROBE else PROBE_TRIES):
+                    continue
                 start = time.perf_counter()
                 out = runner.run([ForwardItem(table, 0, [0] * n)])
                 out.logits.sum().item()  # wait for the device
