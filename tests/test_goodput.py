@@ -349,13 +349,13 @@ def test_recycling_learns_from_plain_steps(tiny_llama: Path) -> None:
 
 
 def test_auto_picks_per_request_and_stays_lossless(tiny_llama: Path) -> None:
-    """`auto` keeps its three drafters apart and chooses per request; greedy outputs are the plain
+    """`auto` keeps its drafters apart and chooses per request; greedy outputs are the plain
     ones whatever it grants."""
     prompts = random_prompts(4, seed=34) + [list(b"abcabcabcabcabcabcabc")]
     greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)]
     llm = shuffle_grants(LLM(str(tiny_llama), speculative="auto"), seed=2)
-    assert set(llm.engine.speculator.drafters) == {"suffix", "ngram", "recycling"}
+    assert set(llm.engine.speculator.drafters) == {"suffix", "ngram"}
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     stats = llm.engine.speculation_stats()

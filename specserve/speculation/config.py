@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "layer-skip", "eagle")
 # What `auto` chooses among, per request: the drafters that cost a lookup, not a forward (and the
-# draft model, where one is given: `SpeculativeConfig.drafters`).
-AUTO_METHODS = ("suffix", "ngram", "recycling")
+# draft model, where one is given: `SpeculativeConfig.drafters`). Not recycling: its learning (the
+# target's top-8 at every verified row, every step or every 4th) and asking cost more than its trees
+# gave. On the bundled model, `auto` without it against `auto` with it: ShareGPT batch 1 1.06x,
+# batch 4 ~1.05x, HumanEval batch 1 ~1.05x, batch 4 1.02x; Spec-Bench batch 1 0.99x and the 1.5B
+# with its draft model on ShareGPT 1.01x, within those runs' noise (BENCHMARKS.md, session 30).
+# `--spec recycling` and `suffix+recycling` still run it.
+AUTO_METHODS = ("suffix", "ngram")
 CONTROLLERS = ("goodput", "fixed")
 # How a GGUF draft model run on its own blocks keeps its projections: rounded to Q4_0 where stored
 # in more bits, or as stored (SpeculativeConfig.draft_quantization).
@@ -20,7 +25,7 @@ class SpeculativeConfig:
 
     method: none | auto | ngram | suffix | recycling | draft-model | layer-skip | eagle, or several joined
         by "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first. `auto`
-        keeps suffix, ngram and recycling (and the draft model, given draft_model) side by side and
+        keeps suffix and ngram (and the draft model, given draft_model) side by side and
         drafts each request with the one whose measured acceptance pays best for it; the lookups
         are asked first, and the model is not run where one of them proposes text worth more.
     num_tokens: the most draft tokens (tree nodes) a decoding request may get per step (K);
