@@ -316,6 +316,14 @@ class StepCostModel:
         prior = [(s / noise) ** 2 for s in (one, 0.5, 0.2 * one)]
         self._p0_trace = sum(prior)
         self.P = [[prior[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+        # The prior on the probe's scale is not forgotten: each step gives back, as a pseudo-observation
+        # of w1 = 1 +- W1_SPREAD, the share of it that forgetting took (`_anchor`), weighed against
+        # the steps' own noise as measured (their prediction errors), not the probe's. Without it a
+        # model whose step is mostly overhead (the tests' tiny model: a 0.14-0.18 ms forward in a
+        # ~1 ms step) fitted w1 anywhere from -220 to 85 from the steps' noise, and the guard, judging
+        # drafted steps in the model's units as they drifted, switched always-accepted drafts off.
+        self._noise2 = noise * noise  # the steps' squared prediction error, decayed; the probe's at first
+        self._err2 = 0.0
         self.observations = 0
 
     def _forward(self, shape: StepShape) -> float:
@@ -366,16 +374,35 @@ class StepCostModel:
         denom = lam + sum(x[i] * px[i] for i in range(3))
         gain = [p / denom for p in px]
         err = seconds - sum(x[i] * self.w[i] for i in range(3))
+        self._err2 = err * err if not self.observations else lam * self._err2 + (1.0 - lam) * err * err
         self.w = [self.w[i] + gain[i] * err for i in range(3)]
         # (P - gain px^T) / lam is symmetric (gain = px / denom): kept exactly so, each pair computed once
         self.P = P = [[(P[min(i, j)][max(i, j)] - gain[min(i, j)] * px[max(i, j)]) / lam for j in range(3)]
                       for i in range(3)]
+        self._anchor()
+        P = self.P
         # Forgetting inflates P along directions the steps never vary (no drafts for a while);
         # keep it within the prior's size so one odd step cannot swing the model.
         ratio = (P[0][0] + P[1][1] + P[2][2]) / self._p0_trace
         if ratio > 1.0:
             self.P = [[v / ratio for v in row] for row in P]
         self.observations += 1
+
+    W1_SPREAD = 0.5  # the probe's scale is trusted to within half (the prior's spread on w1)
+
+    def _anchor(self) -> None:
+        """A pseudo-observation w1 = 1 worth what forgetting took of the prior this step. A step's
+        observation enters P's inverse as x x^T, as if its noise were the probe's; the anchor enters
+        it as (1 - forgetting) x noise^2 / W1_SPREAD^2 with the steps' measured noise, so that it
+        weighs against them as the prior truly does."""
+        P = self.P
+        p1 = [P[i][1] for i in range(3)]
+        noise2 = max(self._err2, self._noise2)
+        denom = self.W1_SPREAD ** 2 / (noise2 * (1.0 - self.forgetting)) + p1[1]
+        gain = [p / denom for p in p1]
+        err = 1.0 - self.w[1]
+        self.w = [self.w[i] + gain[i] * err for i in range(3)]
+        self.P = [[P[i][j] - gain[i] * p1[j] for j in range(3)] for i in range(3)]
 
 
 @dataclass(frozen=True)
