@@ -1,0 +1,96 @@
+"""Two engine variants side by side in one process, each built twice in the order A B B A, so that
+neither gains from the order engines are built in (in `bench spec` the same method listed second ran
+3-5% faster than listed first, session 30); the prompts go to all four in turn, the order reversed
+every other group. A variant is `none`, a --spec method, or `auto` with drafters added to its set
+or left out: `auto+recycling` (auto as it was before session 30), `auto-ngram`.
+
+    python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
+    python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
+    python benchmarks/auto_drafter_sets.py --model $M --draft $D --dataset sharegpt --n 8 --a auto+recycling --b auto
+
+Prints each engine's tokens per second and A's over B's (both copies' tokens over both copies'
+seconds); the two copies of a variant say the run's noise. With --batch B each group is 4 x B
+prompts run as one continuous batch of at most B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", default="auto")
+    ap.add_argument("--b", default="suffix")
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--draft", default=None, help="draft model for auto and draft-model")
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--n", type=int, default=16, help="prompts (per category for spec-bench)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    import specserve.speculation.config as spec_config
+    from specserve import LLM, SamplingParams
+    from specserve.bench.spec import load_questions, open_dataset
+    from specserve.tokenizer import apply_chat_template
+
+    full = spec_config.AUTO_METHODS
+    kw: dict[str, Any] = dict(threads=a.threads, max_num_seqs=a.batch, **({"model": a.model} if a.model else {}))
+
+    def build(variant: str) -> Any:
+        if variant == "none":
+            return LLM(speculative=None, **kw)
+        if not variant.startswith("auto"):
+            return LLM(speculative=dict(method=variant, draft_model=a.draft if variant == "draft-model" else None), **kw)
+        drafters = list(full)
+        for sign, name in re.findall(r"([+-])([a-z-]+?)(?=[+-]|$)", variant[4:]):
+            drafters = [d for d in drafters if d != name] + ([name] if sign == "+" else [])
+        spec_config.AUTO_METHODS = tuple(drafters)
+        try:  # read when the engine builds its drafters
+            return LLM(speculative=dict(method="auto", draft_model=a.draft), **kw)
+        finally:
+            spec_config.AUTO_METHODS = full
+
+    names = [f"{a.a}#1", f"{a.b}#1", f"{a.b}#2", f"{a.a}#2"]
+    llms = {n: build(n.split("#")[0]) for n in names}
+    tok = llms[names[0]].tokenizer
+    questions = load_questions(open_dataset(a.dataset, None), a.n, a.max_tokens, tok)
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
+    for llm in llms.values():
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
+    seconds = dict.fromkeys(names, 0.0)
+    tokens = dict.fromkeys(names, 0)
+    size = 1 if a.batch == 1 else 4 * a.batch
+    for k, start in enumerate(range(0, len(prompts), size)):
+        group = prompts[start:start + size]
+        for n in names if k % 2 == 0 else names[::-1]:
+            t = time.perf_counter()
+            outs = llms[n].generate(group, params, use_tqdm=False)
+            seconds[n] += time.perf_counter() - t
+            tokens[n] += sum(len(o.token_ids) for o in outs)
+    rate = {n: tokens[n] / seconds[n] for n in names}
+    for n in names:
+        print(f"{n:28s} {rate[n]:7.1f} tok/s")
+    ra = (tokens[names[0]] + tokens[names[3]]) / (seconds[names[0]] + seconds[names[3]])
+    rb = (tokens[names[1]] + tokens[names[2]]) / (seconds[names[1]] + seconds[names[2]])
+    spread = (rate[names[0]] / rate[names[3]], rate[names[1]] / rate[names[2]])
+    print(f"{a.dataset} batch {a.batch}: {a.a} {ra:.1f} vs {a.b} {rb:.1f} tok/s: {ra / rb:.3f}x "
+          f"(copy against copy: {spread[0]:.3f}, {spread[1]:.3f})")
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "tok_s": rate,
+                                      "ratio": ra / rb, "copy_spread": spread}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
