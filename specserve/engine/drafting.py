@@ -84,7 +84,8 @@ class BlockPool:
 # draft node costs: they are tried PROBE_TRIES_SMALL times. Without the untimed round the first
 # speculating engine a process built probed its small sizes 4-25% slower than the next one did
 # (their profile flatter: extra rows looked cheap), and in `bench spec` the method listed first lost
-# 3-5% to the same method listed second (BENCHMARKS.md, session 30).
+# 3-5% to the same method listed second (two runs; after, +2.5% and -1.6%; the first engine built
+# may still run a few percent slow: benchmarks/auto_drafter_sets.py compares A B B A; BENCHMARKS.md, session 30).
 PROBE_TRIES = 2
 PROBE_TRIES_SMALL = 4
 SMALL_PROBE = 17

@@ -326,11 +326,11 @@ class StepCostModel:
         self._err2 = 0.0
         self.observations = 0
 
-    def _forward(self, shape: StepShape) -> float:
-        return self.profile(shape.tokens) + self.context * (shape.attended - shape.hot) + self.attention * shape.hot
+    def _forward(self, tokens: int, attended: int, hot: int) -> float:
+        return self.profile(tokens) + self.context * (attended - hot) + self.attention * hot
 
     def _x(self, shape: StepShape) -> list[float]:
-        return [1.0, self._forward(shape), float(shape.drafted)]
+        return [1.0, self._forward(shape.tokens, shape.attended, shape.hot), float(shape.drafted)]
 
     def predict(self, shape: StepShape) -> float:
         # Every step asks (plain ones too): plain floats, not numpy's small-array calls (~10 us).
@@ -339,8 +339,7 @@ class StepCostModel:
     def predict_parts(self, tokens: int, drafted: int, attended: int, hot: int) -> float:
         """`predict` of the StepShape with these fields, without making one."""
         w0, w1, w2 = self._clamped
-        forward = self.profile(tokens) + self.context * (attended - hot) + self.attention * hot
-        return max(w0 + w1 * forward + w2 * drafted, 1e-6)
+        return max(w0 + w1 * self._forward(tokens, attended, hot) + w2 * drafted, 1e-6)
 
     @property
     def _clamped(self) -> tuple[float, float, float]:
