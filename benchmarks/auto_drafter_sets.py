@@ -2,13 +2,16 @@
 neither gains from the order engines are built in (in `bench spec` the same method listed second ran
 3-5% faster than listed first, session 30); the prompts go to all four in turn, the order reversed
 every other group. A variant is `none`, a --spec method, or `auto` with drafters added to its set
-or left out: `auto+recycling` (auto as it was before session 30), `auto-ngram`.
+or left out: `auto+recycling` (auto as it was before session 30), `auto-ngram`; `:secant` after
+any of them takes the controller's pass over every count of nodes out (`GoodputController.
+_by_threshold`, session 30: the secant alone).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
     python benchmarks/auto_drafter_sets.py --model $M --draft $D --dataset sharegpt --n 8 --a auto+recycling --b auto
 
-Prints each engine's tokens per second and A's over B's (both copies' tokens over both copies'
+Prints each speculating engine's start-up forward profile (the probe's milliseconds by tokens, up
+to 17), each engine's tokens per second and A's over B's (both copies' tokens over both copies'
 seconds); the two copies of a variant say the run's noise. With --batch B each group is 4 x B
 prompts run as one continuous batch of at most B.
 """
@@ -48,6 +51,13 @@ def main() -> None:
     kw: dict[str, Any] = dict(threads=a.threads, max_num_seqs=a.batch, **({"model": a.model} if a.model else {}))
 
     def build(variant: str) -> Any:
+        variant, secant, _ = variant.partition(":secant")
+        llm = build_one(variant)
+        if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
+            llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
+        return llm
+
+    def build_one(variant: str) -> Any:
         if variant == "none":
             return LLM(speculative=None, **kw)
         if not variant.startswith("auto"):
@@ -63,6 +73,12 @@ def main() -> None:
 
     names = [f"{a.a}#1", f"{a.b}#1", f"{a.b}#2", f"{a.a}#2"]
     llms = {n: build(n.split("#")[0]) for n in names}
+    profiles = {}
+    for n, llm in llms.items():  # in the order built
+        cost = getattr(llm.engine.core.speculator.controller, "cost", None)
+        if cost is not None:
+            profiles[n] = {k: round(v * 1e3, 2) for k, v in zip(cost.profile.sizes, cost.profile.seconds) if k <= 17}
+            print(f"{n:28s} start-up probe (ms by tokens): {profiles[n]}")
     tok = llms[names[0]].tokenizer
     questions = load_questions(open_dataset(a.dataset, None), a.n, a.max_tokens, tok)
     prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
@@ -89,7 +105,8 @@ def main() -> None:
           f"(copy against copy: {spread[0]:.3f}, {spread[1]:.3f})")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "tok_s": rate,
-                                      "ratio": ra / rb, "copy_spread": spread}, indent=1))
+                                      "ratio": ra / rb, "copy_spread": spread,
+                                      "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":
