@@ -4,7 +4,8 @@ neither gains from the order engines are built in (in `bench spec` the same meth
 every other group. A variant is `none`, a --spec method, or `auto` with drafters added to its set
 or left out: `auto+recycling` (auto as it was before session 30), `auto-ngram`; `:secant` after
 any of them takes the controller's pass over every count of nodes out (`GoodputController.
-_by_threshold`, session 30: the secant alone).
+_by_threshold`, session 30: the secant alone); `:learn-drafting-only` has the step-cost model taught
+only by steps that asked the drafters (before session 31).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
@@ -51,10 +52,15 @@ def main() -> None:
     kw: dict[str, Any] = dict(threads=a.threads, max_num_seqs=a.batch, **({"model": a.model} if a.model else {}))
 
     def build(variant: str) -> Any:
+        variant, drafting_only, _ = variant.partition(":learn-drafting-only")
         variant, secant, _ = variant.partition(":secant")
         llm = build_one(variant)
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
+        if drafting_only:
+            from guard_buckets import learn_drafting_only  # beside this file
+
+            learn_drafting_only(llm.engine.core.speculator)
         return llm
 
     def build_one(variant: str) -> Any:

@@ -658,6 +658,33 @@ def test_steps_the_guard_keeps_plain_spend_nothing_on_learning(tiny_llama: Path,
         assert learner.shown >= 4 * 8 and topk_calls[0] >= 8
 
 
+def test_the_cost_model_learns_from_the_steps_the_guard_keeps_plain(tiny_llama: Path) -> None:
+    """The guard judges drafted steps against the cost model's plain time, and measures plain steps
+    in it too: the model must follow what plain steps take. Every step the guard keeps plain here
+    (and the machine slows by 20 ms a forward): the model's plain prediction rises to it. (Taught
+    only by steps whose drafters were asked, it stayed where it was.)"""
+    llm = LLM(str(tiny_llama), speculative="auto", max_num_seqs=4)
+    speculator = llm.engine.speculator
+    speculator.guard = OffGuard(all_off=True)  # decode-only steps plain; prefill-carrying ones draft nothing
+    cost = speculator.controller.cost
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm.generate(random_prompts(4, seed=51), greedy, use_tqdm=False)
+    shape = StepShape(4, 0, 4 * 40)
+    before = cost.predict(shape)
+    runner = llm.engine.core.runner
+    execute = runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return execute(*args, **kwargs)
+
+    runner.execute = slow
+    observed = cost.observations
+    llm.generate(random_prompts(4, seed=52), greedy, use_tqdm=False)
+    assert cost.observations - observed >= 20  # the 23 decode steps, all kept plain
+    assert cost.predict(shape) > before + 0.01, (before, cost.predict(shape))
+
+
 class RandomGuard(GoodputGuard):
     """A guard whose say changes at random every step (plain, draft, probe), whatever the steps
     measured: outputs must not notice."""

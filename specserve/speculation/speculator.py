@@ -906,11 +906,17 @@ class Speculator:
             sums.update(predicted_accepted=predicted, accepted=accepted, forced_accepted=forced_accepted)
         if forced_drafted := sum(r.forced[1] for r in step.rows.values() if r.forced):
             sums["forced_drafted"] += forced_drafted
-        if step.shape is not None and step.predicted_seconds is not None:
+        # Every step teaches the cost model, the ones kept plain too (their predicted time is the plain
+        # one): taught only where the drafters were asked, its plain time followed what drafted steps
+        # taught it, and the guard, which judges steps in its units, read plain steps at a median 0.89
+        # of their prediction on ShareGPT at batch 4 on the bundled model (0.94 taught by every step;
+        # BENCHMARKS.md, session 31). Throughput moved within noise.
+        expected = step.predicted_seconds if step.predicted_seconds is not None else step.plain_seconds
+        if step.shape is not None and expected is not None:
             forward_seconds = max(step_seconds - step.propose_seconds, 1e-6)
             self.controller.learn(step.shape, forward_seconds)
-            sums.update(cost_predicted_seconds=step.predicted_seconds, cost_actual_seconds=forward_seconds,
-                        cost_abs_error_seconds=abs(step.predicted_seconds - forward_seconds), cost_steps=1)
+            sums.update(cost_predicted_seconds=expected, cost_actual_seconds=forward_seconds,
+                        cost_abs_error_seconds=abs(expected - forward_seconds), cost_steps=1)
 
     def _valued_tokens(self, step: _Step, done: list[_Row], rates: list[float]) -> float:
         """The step's emitted tokens as the guard weighs them (`rates`: with drafting on, each
