@@ -240,6 +240,37 @@ def test_the_probes_scale_holds_where_a_step_is_mostly_overhead() -> None:
     assert cost.predict(StepShape(1)) == pytest.approx(0.001 + profile(1), rel=0.1)
 
 
+def test_the_attentions_scale_is_learnt_apart_from_the_forwards() -> None:
+    """Where the steps' context costs a third of what the attention probe said and the forward probe
+    is right, a draft node's price (its forward row and the context it reads) comes out right, and
+    so does the step with drafts: with one scale for both probes the fit traded the forward's scale
+    for overhead and per-tree time, and priced nodes at a third of their cost (ShareGPT, batch 4,
+    the bundled model)."""
+    hot, cold = 1.4e-6, 2.9e-6
+    cost = StepCostModel(ForwardProfile(CPU_LIKE), per_attended=hot, per_context=cold)
+
+    def truth(shape: StepShape) -> float:
+        attention = cold * (shape.attended - shape.hot) + hot * shape.hot
+        return 0.001 + CPU_LIKE_PROFILE(shape.tokens) + attention / 3 + 0.0005 * shape.drafted
+
+    rng = random.Random(5)
+    for _ in range(600):
+        rows, context = 4, rng.randint(60, 250)
+        trees = rng.choice([0, 0, 0, 1, 2])
+        nodes = sum(rng.randint(1, 4) for _ in range(trees))
+        shape = StepShape(rows + nodes, trees, (rows + nodes) * context, nodes * context)
+        cost.observe(shape, truth(shape) * rng.uniform(0.95, 1.05))
+    assert cost.per_attended() == pytest.approx(hot / 3, rel=0.3)
+    base = StepShape(4, 0, 4 * 150)
+    drafted = StepShape(8, 1, 8 * 150, 4 * 150)
+    assert cost.predict(drafted) - cost.predict(base) == pytest.approx(truth(drafted) - truth(base), rel=0.15)
+    for shape in (base, drafted, StepShape(6, 2, 6 * 80, 2 * 80)):
+        assert cost.predict(shape) == pytest.approx(truth(shape), rel=0.05)
+
+
+CPU_LIKE_PROFILE = ForwardProfile(CPU_LIKE)
+
+
 def test_acceptance_moves_from_the_drafters_prior_to_the_requests_record() -> None:
     a = AcceptanceModel()
     chain = DraftTree.chain([1, 2, 3])

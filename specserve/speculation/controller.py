@@ -290,15 +290,25 @@ class StepShape:
 
 
 class StepCostModel:
-    """seconds = w0 + w1 x (forward(tokens) + c x cold + a x hot) + w2 x drafted, by recursive
+    """seconds = w0 + w1 x forward(tokens) + w3 x (c x cold + a x hot) + w2 x drafted, by recursive
     least squares with forgetting, where hot is the context draft nodes attend to and cold the rest
     of the attended context (`StepShape`). The shape of a forward's cost comes from the probes
     taken at start (`forward` by token count; `c`, seconds per token of context a request's row
     reads from memory; `a`, per token a further row of the same request reads from the cache: on
-    the bundled model at batch 8, 2.75-3.0 us and 1.27); the steps teach the
-    model how that shape scales on the machine as it runs (w1, starting at 1), the per-step
-    overhead (w0) and what a request carrying a draft tree adds (w2), both starting at 0. Drafting
-    time is measured apart (per drafter) and is not part of this model."""
+    the bundled model at batch 8, 2.75-3.0 us and 1.27); the steps teach the model how each probe's
+    shape scales on the machine as it runs (w1 the forward's, w3 the attention's, both starting at
+    1), the per-step overhead (w0) and what a request carrying a draft tree adds (w2), both starting
+    at 0. Drafting time is measured apart (per drafter) and is not part of this model.
+
+    The attention has a scale of its own because its probe's is not the forward's: with one scale
+    for both, on ShareGPT at batch 4 on the bundled model the fit shrank the shared scale to 0.40
+    (the steps' context cost less than the attention probe said) and moved the rest into the
+    overhead and the per-tree term, and it overpredicted the steps that verified drafts by 12% (mean
+    absolute error 0.167); with two scales the forward's stays near 1 and those steps are predicted
+    within +0.9% (0.105), at batch 8 +5.3% -> +1.3%, HumanEval batch 4 +3.4% -> +0.1% (replayed on
+    the same logged steps: benchmarks/cost_model_replay.py, BENCHMARKS.md, session 31)."""
+
+    N = 4  # weights: overhead, forward's scale, per tree, attention's scale
 
     def __init__(self, profile: ForwardProfile, forgetting: float = 0.99, per_attended: float = 0.0,
                  per_context: float | None = None) -> None:
@@ -306,31 +316,34 @@ class StepCostModel:
         self.forgetting = forgetting
         self.attention = max(per_attended, 0.0)  # a: hot context, per token (draft nodes)
         self.context = self.attention if per_context is None else max(per_context, 0.0)  # c: cold (every request's row)
-        # Plain floats, not numpy: every drafted step updates the model, and right after a forward
-        # numpy's dozen calls on 3-vectors took ~80 us (the same arithmetic in floats, ~10).
-        self.w = [0.0, 1.0, 0.0]
+        # Plain floats, not numpy: every step updates the model, and right after a forward numpy's
+        # dozen calls on small vectors took ~80 us (the same arithmetic in floats, ~10).
+        self.w = [0.0, 1.0, 0.0, 1.0]
         one = profile(1)
         # Prior spreads in units of the measurement noise (about 5% of a one-token step): the
-        # probe's scale is trusted to within half, the other terms may be up to a step's size.
+        # probes' scales are trusted to within half, the other terms may be up to a step's size.
         noise = 0.05 * one
-        prior = [(s / noise) ** 2 for s in (one, 0.5, 0.2 * one)]
+        prior = [(s / noise) ** 2 for s in (one, self.SCALE_SPREAD, 0.2 * one, self.SCALE_SPREAD)]
         self._p0_trace = sum(prior)
-        self.P = [[prior[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
-        # The prior on the probe's scale is not forgotten: each step gives back, as a pseudo-observation
-        # of w1 = 1 +- W1_SPREAD, the share of it that forgetting took (`_anchor`), weighed against
-        # the steps' own noise as measured (their prediction errors), not the probe's. Without it a
-        # model whose step is mostly overhead (the tests' tiny model: a 0.14-0.18 ms forward in a
-        # ~1 ms step) fitted w1 anywhere from -220 to 85 from the steps' noise, and the guard, judging
-        # drafted steps in the model's units as they drifted, switched always-accepted drafts off.
+        self.P = [[prior[i] if i == j else 0.0 for j in range(self.N)] for i in range(self.N)]
+        # The prior on the probes' scales is not forgotten: each step gives back, as a pseudo-observation
+        # of w1 = 1 +- SCALE_SPREAD (and of w3 alike), the share of it that forgetting took (`_anchor`),
+        # weighed against the steps' own noise as measured (their prediction errors), not the probe's.
+        # Without it a model whose step is mostly overhead (the tests' tiny model: a 0.14-0.18 ms
+        # forward in a ~1 ms step) fitted w1 anywhere from -220 to 85 from the steps' noise, and the
+        # guard, judging drafted steps in the model's units as they drifted, switched always-accepted
+        # drafts off.
         self._noise2 = noise * noise  # the steps' squared prediction error, decayed; the probe's at first
         self._err2 = 0.0
         self.observations = 0
 
-    def _forward(self, tokens: int, attended: int, hot: int) -> float:
-        return self.profile(tokens) + self.context * (attended - hot) + self.attention * hot
+    SCALE_SPREAD = 0.5  # the probes' scales are trusted to within half (the prior's spread on w1 and w3)
+
+    def _attention(self, attended: int, hot: int) -> float:
+        return self.context * (attended - hot) + self.attention * hot
 
     def _x(self, shape: StepShape) -> list[float]:
-        return [1.0, self._forward(shape.tokens, shape.attended, shape.hot), float(shape.drafted)]
+        return [1.0, self.profile(shape.tokens), float(shape.drafted), self._attention(shape.attended, shape.hot)]
 
     def predict(self, shape: StepShape) -> float:
         # Every step asks (plain ones too): plain floats, not numpy's small-array calls (~10 us).
@@ -338,13 +351,13 @@ class StepCostModel:
 
     def predict_parts(self, tokens: int, drafted: int, attended: int, hot: int) -> float:
         """`predict` of the StepShape with these fields, without making one."""
-        w0, w1, w2 = self._clamped
-        return max(w0 + w1 * self._forward(tokens, attended, hot) + w2 * drafted, 1e-6)
+        w0, w1, w2, w3 = self._clamped
+        return max(w0 + w1 * self.profile(tokens) + w3 * self._attention(attended, hot) + w2 * drafted, 1e-6)
 
     @property
-    def _clamped(self) -> tuple[float, float, float]:
-        w0, w1, w2 = self.w
-        return w0, max(w1, 0.0), max(w2, 0.0)  # more tokens or trees never make a step faster
+    def _clamped(self) -> tuple[float, float, float, float]:
+        w0, w1, w2, w3 = self.w
+        return w0, max(w1, 0.0), max(w2, 0.0), max(w3, 0.0)  # more tokens, trees or context never make a step faster
 
     def fixed_share(self, shape: StepShape, rows: int) -> float:
         """The share of a plain step of `rows` decoding requests (`shape`) that one request fewer
@@ -364,44 +377,46 @@ class StepCostModel:
     def per_attended(self) -> float:
         """Seconds one draft node adds per token of context it attends to (hot: its request's root
         has read that context this step)."""
-        return max(self.w[1], 0.0) * self.attention
+        return max(self.w[3], 0.0) * self.attention
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        n = self.N
         x = self._x(shape)
         P, lam = self.P, self.forgetting
-        px = [sum(P[i][j] * x[j] for j in range(3)) for i in range(3)]
-        denom = lam + sum(x[i] * px[i] for i in range(3))
+        px = [sum(P[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam + sum(x[i] * px[i] for i in range(n))
         gain = [p / denom for p in px]
-        err = seconds - sum(x[i] * self.w[i] for i in range(3))
+        err = seconds - sum(x[i] * self.w[i] for i in range(n))
         self._err2 = err * err if not self.observations else lam * self._err2 + (1.0 - lam) * err * err
-        self.w = [self.w[i] + gain[i] * err for i in range(3)]
+        self.w = [self.w[i] + gain[i] * err for i in range(n)]
         # (P - gain px^T) / lam is symmetric (gain = px / denom): kept exactly so, each pair computed once
-        self.P = P = [[(P[min(i, j)][max(i, j)] - gain[min(i, j)] * px[max(i, j)]) / lam for j in range(3)]
-                      for i in range(3)]
-        self._anchor()
+        self.P = [[(P[min(i, j)][max(i, j)] - gain[min(i, j)] * px[max(i, j)]) / lam for j in range(n)]
+                  for i in range(n)]
+        self._anchor(1)
+        if x[3]:  # a model without the attention's probe (no context term) has nothing to anchor there
+            self._anchor(3)
         P = self.P
         # Forgetting inflates P along directions the steps never vary (no drafts for a while);
         # keep it within the prior's size so one odd step cannot swing the model.
-        ratio = (P[0][0] + P[1][1] + P[2][2]) / self._p0_trace
+        ratio = sum(P[i][i] for i in range(n)) / self._p0_trace
         if ratio > 1.0:
             self.P = [[v / ratio for v in row] for row in P]
         self.observations += 1
 
-    W1_SPREAD = 0.5  # the probe's scale is trusted to within half (the prior's spread on w1)
-
-    def _anchor(self) -> None:
-        """A pseudo-observation w1 = 1 worth what forgetting took of the prior this step. A step's
-        observation enters P's inverse as x x^T, as if its noise were the probe's; the anchor enters
-        it as (1 - forgetting) x noise^2 / W1_SPREAD^2 with the steps' measured noise, so that it
-        weighs against them as the prior truly does."""
+    def _anchor(self, k: int) -> None:
+        """A pseudo-observation w_k = 1 (a probe's scale) worth what forgetting took of the prior
+        this step. A step's observation enters P's inverse as x x^T, as if its noise were the
+        probe's; the anchor enters it as (1 - forgetting) x noise^2 / SCALE_SPREAD^2 with the steps'
+        measured noise, so that it weighs against them as the prior truly does."""
+        n = self.N
         P = self.P
-        p1 = [P[i][1] for i in range(3)]
+        pk = [P[i][k] for i in range(n)]
         noise2 = max(self._err2, self._noise2)
-        denom = self.W1_SPREAD ** 2 / (noise2 * (1.0 - self.forgetting)) + p1[1]
-        gain = [p / denom for p in p1]
-        err = 1.0 - self.w[1]
-        self.w = [self.w[i] + gain[i] * err for i in range(3)]
-        self.P = [[P[i][j] - gain[i] * p1[j] for j in range(3)] for i in range(3)]
+        denom = self.SCALE_SPREAD ** 2 / (noise2 * (1.0 - self.forgetting)) + pk[k]
+        gain = [p / denom for p in pk]
+        err = 1.0 - self.w[k]
+        self.w = [self.w[i] + gain[i] * err for i in range(n)]
+        self.P = [[P[i][j] - gain[i] * pk[j] for j in range(n)] for i in range(n)]
 
 
 @dataclass(frozen=True)
