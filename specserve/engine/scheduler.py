@@ -131,20 +131,26 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
     def _grant_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], int]:
-        """Give decoding requests draft slots from the token budget and free blocks left over."""
+        """Give decoding requests draft slots from the token budget and free blocks left over. While
+        requests wait to be admitted, drafts take at most half the budget left: they are granted
+        before admission, and at 256 tokens a step 48 decodes' drafts left the waiting prompts so
+        little that one waited 10.5 s for its first token (BENCHMARKS.md, session 31)."""
         out: list[ScheduledSeq] = []
+        admitting = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        room = budget // 2 if admitting else budget  # draft tokens this step, at most
+        budget -= room
         for item in scheduled:
             seq = item.seq
             spec = 0
-            if item.num_new_tokens == 1 and seq.output_token_ids and budget > 0:
-                room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
-                spec = max(0, min(self.draft_budget(seq), budget, room - seq.num_computed_tokens - 1))
+            if item.num_new_tokens == 1 and seq.output_token_ids and room > 0:
+                slots = (len(seq.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
+                spec = max(0, min(self.draft_budget(seq), room, slots - seq.num_computed_tokens - 1))
                 if spec > 0:
                     allocated = self.blocks.allocate(seq, seq.num_computed_tokens + 1 + spec)
                     assert allocated
             out.append(ScheduledSeq(seq, item.num_new_tokens, spec) if spec else item)
-            budget -= spec
-        return out, budget
+            room -= spec
+        return out, budget + room
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """How many of `remaining` tokens to compute within `budget`."""
