@@ -18,20 +18,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def record(a: argparse.Namespace) -> None:
-    from specserve import LLM, SamplingParams
-    from specserve.bench.spec import load_questions, open_dataset
-    from specserve.tokenizer import apply_chat_template
+    from guard_buckets import auto_engine_and_prompts  # beside this file
+    from specserve import SamplingParams
 
-    torch.set_num_threads(a.threads)
-    kw: dict[str, Any] = {"model": a.model} if a.model else {}
-    llm = LLM(speculative=dict(method="auto"), threads=a.threads, max_num_seqs=a.batch, **kw)
-    tok = llm.tokenizer
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}])
-               for _, q in load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)]
+    llm, prompts = auto_engine_and_prompts(a)
     speculator = llm.engine.core.speculator
     cost = speculator.controller.cost
     steps: list[list[float]] = []

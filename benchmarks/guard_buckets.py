@@ -24,6 +24,21 @@ from typing import Any
 import torch
 
 
+def auto_engine_and_prompts(a: argparse.Namespace) -> tuple[Any, list[str]]:
+    """An `auto` engine on --model (default: the bundled one) taking --batch requests at a time,
+    and --prompts prompts of --dataset under its chat template; torch on --threads threads."""
+    from specserve import LLM
+    from specserve.bench.spec import load_questions, open_dataset
+    from specserve.tokenizer import apply_chat_template
+
+    torch.set_num_threads(a.threads)
+    kw: dict[str, Any] = {"model": a.model} if a.model else {}
+    llm = LLM(speculative=dict(method="auto"), threads=a.threads, max_num_seqs=a.batch, **kw)
+    tok = llm.tokenizer
+    return llm, [apply_chat_template(tok, [{"role": "user", "content": q}])
+                 for _, q in load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)]
+
+
 def learn_drafting_only(speculator: Any) -> None:
     """The speculator's step-cost model taught only by the steps that asked the drafters (its
     rule before session 31): a step kept plain leaves it as it was."""
@@ -54,17 +69,10 @@ def main() -> None:
     ap.add_argument("--learn-drafting-only", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    from specserve import LLM, SamplingParams
-    from specserve.bench.spec import load_questions, open_dataset
+    from specserve import SamplingParams
     from specserve.speculation.guard import Mode
-    from specserve.tokenizer import apply_chat_template
 
-    kw: dict[str, Any] = {"model": a.model} if a.model else {}
-    llm = LLM(speculative=dict(method="auto"), threads=a.threads, max_num_seqs=a.batch, **kw)
-    tok = llm.tokenizer
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}])
-               for _, q in load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)]
+    llm, prompts = auto_engine_and_prompts(a)
     speculator = llm.engine.core.speculator
     if a.learn_drafting_only:
         learn_drafting_only(speculator)
