@@ -18,9 +18,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from guard_buckets import add_workload_arguments, auto_engine_and_prompts  # beside this file
+
 
 def record(a: argparse.Namespace) -> None:
-    from guard_buckets import auto_engine_and_prompts  # beside this file
     from specserve import SamplingParams
 
     llm, prompts = auto_engine_and_prompts(a)
@@ -72,12 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("record")
-    r.add_argument("--model", default=None, help="default: the bundled model")
-    r.add_argument("--dataset", default="sharegpt")
-    r.add_argument("--prompts", type=int, default=48)
-    r.add_argument("--batch", type=int, default=4)
-    r.add_argument("--max-tokens", type=int, default=128)
-    r.add_argument("--threads", type=int, default=2)
+    add_workload_arguments(r)
     r.add_argument("--out", type=Path, required=True)
     p = sub.add_parser("replay")
     p.add_argument("logs", nargs="+")

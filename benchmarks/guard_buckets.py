@@ -24,6 +24,16 @@ from typing import Any
 import torch
 
 
+def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options `auto_engine_and_prompts` reads."""
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--dataset", default="sharegpt")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+
+
 def auto_engine_and_prompts(a: argparse.Namespace) -> tuple[Any, list[str]]:
     """An `auto` engine on --model (default: the bundled one) taking --batch requests at a time,
     and --prompts prompts of --dataset under its chat template; torch on --threads threads."""
@@ -60,12 +70,7 @@ def learn_drafting_only(speculator: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: the bundled model")
-    ap.add_argument("--dataset", default="sharegpt")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    add_workload_arguments(ap)
     ap.add_argument("--learn-drafting-only", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()

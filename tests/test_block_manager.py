@@ -128,31 +128,26 @@ def test_drafts_leave_waiting_prompts_half_the_budget() -> None:
     from specserve.config import SchedulerConfig
     from specserve.engine.scheduler import Scheduler
 
-    bm = BlockManager(num_blocks=64, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8), bm, draft_budget=lambda s: 8)
-    running = [seq([1, 2, 3], f"r{i}") for i in range(4)]
-    for s in running:
-        sched.add(s)
-    sched.schedule()  # the four prompts: 12 tokens
-    for s in running:
-        s.num_computed_tokens = s.num_tokens
-        s.output_token_ids.append(9)
+    def four_decoding() -> Scheduler:
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
+                          BlockManager(num_blocks=64, block_size=4), draft_budget=lambda s: 8)
+        running = [seq([1, 2, 3], f"r{i}") for i in range(4)]
+        for s in running:
+            sched.add(s)
+        sched.schedule()  # the four prompts: 12 tokens
+        for s in running:
+            s.num_computed_tokens = s.num_tokens
+            s.output_token_ids.append(9)
+        return sched
+
+    assert sum(i.draft_budget for i in four_decoding().schedule().scheduled) == 16 - 4  # nobody waiting: all of it
+    sched = four_decoding()
     late = seq([5, 6, 7, 8, 9, 10, 11, 12], "late")
     sched.add(late)
     out = sched.schedule()
     drafts = sum(i.draft_budget for i in out.scheduled)
     assert drafts == (16 - 4) // 2, drafts
     assert [i.num_new_tokens for i in out.scheduled if i.seq is late] == [16 - 4 - drafts]
-    alone = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8), BlockManager(num_blocks=64, block_size=4),
-                      draft_budget=lambda s: 8)
-    others = [seq([1, 2, 3], f"o{i}") for i in range(4)]
-    for s in others:
-        alone.add(s)
-    alone.schedule()
-    for s in others:
-        s.num_computed_tokens = s.num_tokens
-        s.output_token_ids.append(9)
-    assert sum(i.draft_budget for i in alone.schedule().scheduled) == 16 - 4  # nobody waiting: all of it
 
 
 def test_a_trimmed_reservation_is_reused_first_and_cached_blocks_last() -> None:

@@ -26,6 +26,7 @@ from conftest import random_prompts, shuffle_grants
 
 CPU_LIKE = {n: 0.015 * (1 + 0.17 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64)}  # linear: 17% a token
 GPU_LIKE = {1: 0.010, 16: 0.010, 64: 0.0101, 256: 0.02}  # flat to 64 tokens
+CPU_LIKE_PROFILE = ForwardProfile(CPU_LIKE)
 
 
 def goodput(ctl: GoodputController, base: StepShape, rows: int, cands: list[Candidate], counts) -> float:
@@ -267,8 +268,6 @@ def test_the_attentions_scale_is_learnt_apart_from_the_forwards() -> None:
     for shape in (base, drafted, StepShape(6, 2, 6 * 80, 2 * 80)):
         assert cost.predict(shape) == pytest.approx(truth(shape), rel=0.05)
 
-
-CPU_LIKE_PROFILE = ForwardProfile(CPU_LIKE)
 
 
 def test_acceptance_moves_from_the_drafters_prior_to_the_requests_record() -> None:
