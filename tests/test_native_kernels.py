@@ -37,10 +37,16 @@ def _on(kernel, isa: str):  # type: ignore[no-untyped-def]
     return kernel
 
 H, KVH, D, BS, NB = 6, 2, 32, 8, 256
+# (query heads, KV heads, head dim, block size): the tests' own; the bundled model's heads in the
+# engine's blocks; a Qwen2.5-1.5B's in blocks of two key chunks. The kernels' vector paths split D
+# and the query heads into groups: each shape takes them through other group sizes.
+SHAPES = {"6x2x32-bs8": (6, 2, 32, 8), "9x3x64-bs16": (9, 3, 64, 16), "12x2x128-bs32": (12, 2, 128, 32)}
 
 
-def _batch(items: list[tuple[int, int, torch.Tensor | None]], dtype: torch.dtype, seed: int = 0):
+def _batch(items: list[tuple[int, int, torch.Tensor | None]], dtype: torch.dtype, seed: int = 0,
+           shape: tuple[int, int, int, int] = (H, KVH, D, BS)):
     """items: (cached tokens, new tokens, tree mask or None). Blocks are scattered at random."""
+    H, KVH, D, BS = shape
     g = torch.Generator().manual_seed(seed)
     free = torch.randperm(NB, generator=g).tolist()
     q_start, q_len, ctx, tables, masks, slots, t = [], [], [], [], [], [], 0
@@ -69,14 +75,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype, isa: str) -> None:
+def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype, isa: str, shape: str) -> None:
     """Every new token attends to exactly what the reference says (its cached prefix, then its
     causal or tree-ancestor new tokens), from blocks scattered over the cache; the caches end up
     holding the same K/V."""
-    batch, q, k, v, kc, vc = _batch(CASES[case], dtype)
+    H, KVH, D, _ = SHAPES[shape]
+    batch, q, k, v, kc, vc = _batch(CASES[case], dtype, shape=SHAPES[shape])
     ref_backend, backend = SdpaBackend(H, KVH, D), _on(CpuPagedBackend(H, KVH, D), isa)
     kc2, vc2 = kc.clone(), vc.clone()
     # the reference reads the cache in its own dtype: compare against the K/V as the cache holds them
@@ -89,16 +97,18 @@ def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype, isa: 
         assert err < 1e-5, (case, i, err)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("cached", [1, 7, 40, 61, 200, 333, 517])
 def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
-    cached: int, dtype: torch.dtype, isa: str
+    cached: int, dtype: torch.dtype, isa: str, shape: str
 ) -> None:
     """A query row attending to the same keys gets bit for bit the same output as a decode alone,
     a decode among others, the last row of a prefill chunk, and a draft-tree node whose sibling
     (masked) lies between its ancestors: verification's logits are plain decoding's, whatever the
     batch, the tile, the block boundaries or the slots its ancestors sit in."""
+    H, KVH, D, BS = SHAPES[shape]
     g = torch.Generator().manual_seed(cached)
     ctx = cached + 2  # the row sees `cached` keys, then its parent, then itself
     keys, values = torch.randn(ctx, KVH, D, generator=g), torch.randn(ctx, KVH, D, generator=g)

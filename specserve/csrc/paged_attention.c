@@ -54,16 +54,30 @@ typedef struct {
 
 #ifdef PA_AVX2
 /* nk keys (or values) of one KV head from one cache block as float32 rows of D, then zero rows up to
- * a multiple of 8 (a padded key's score is computed and then masked). */
-typedef void (*pa_load_fn)(const void *cache, int64_t base, int nk, int KVH, int D, float *dst);
+ * a multiple of 8 (a padded key's score is computed and then masked); and the next block's `next_nk`
+ * rows (at `next`; none if next_nk is 0) asked of memory meanwhile: blocks lie anywhere in the cache,
+ * so the hardware's prefetcher cannot run ahead into the next one, and each block began with a miss. */
+typedef void (*pa_load_fn)(const void *cache, int64_t base, int nk, int KVH, int D, float *dst, int64_t next, int next_nk);
 
-static void pa_load_f32(const void *cache, int64_t base, int nk, int KVH, int D, float *dst) {
+static inline void pa_prefetch(const void *cache, int64_t next, int next_nk, int KVH, int D, int elem) {
+    const char *c = (const char *)cache;
+    for (int tk = 0; tk < next_nk; tk++) {
+        const char *row = c + (next + (int64_t)tk * KVH) * D * elem;
+        for (int off = 0; off < D * elem; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
+}
+
+static void pa_load_f32(const void *cache, int64_t base, int nk, int KVH, int D, float *dst, int64_t next,
+                        int next_nk) {
+    pa_prefetch(cache, next, next_nk, KVH, D, 4);
     const float *c = (const float *)cache;
     for (int tk = 0; tk < nk; tk++) memcpy(dst + (int64_t)tk * D, c + (base + (int64_t)tk * KVH) * D, sizeof(float) * D);
     for (int tk = nk; tk % 8; tk++) memset(dst + (int64_t)tk * D, 0, sizeof(float) * D);
 }
 
-static void pa_load_bf16(const void *cache, int64_t base, int nk, int KVH, int D, float *dst) {
+static void pa_load_bf16(const void *cache, int64_t base, int nk, int KVH, int D, float *dst, int64_t next,
+                         int next_nk) {
+    pa_prefetch(cache, next, next_nk, KVH, D, 2);
     const uint16_t *c = (const uint16_t *)cache;
     for (int tk = 0; tk < nk; tk++) {
         const uint16_t *src = c + (base + (int64_t)tk * KVH) * D;
@@ -165,7 +179,9 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
     for (int b = 0; b < nblocks; b++) {
         const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
         const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
-        load(k_cache, base, nk, KVH, D, kf);
+        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
+        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
+        load(k_cache, base, nk, KVH, D, kf, next, next_nk);
         for (int k0 = 0; k0 < nk; k0 += 8) {
             const int p = p0 + k0, valid = nk - k0 < 8 ? nk - k0 : 8;
             const int plain = valid == 8 && p + 8 <= cached; /* all 8 keys are cached ones: all visible */
@@ -233,7 +249,9 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
     for (int b = 0; b < nblocks; b++) {
         const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
         const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
-        load(v_cache, base, nk, KVH, D, kf);
+        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
+        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
+        load(v_cache, base, nk, KVH, D, kf, next, next_nk);
         for (int i0 = 0; i0 < nv; i0 += 4) {
             const int ni = nv - i0 < 4 ? nv - i0 : 4;
             const float *w0 = s + (int64_t)i0 * ld + p0;
@@ -286,6 +304,232 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
             float *dst = out + ((int64_t)(q_start[it] + t->row0 + r) * H + g * rep + j) * D;
             const __m256 inv = _mm256_set1_ps(l[i] > 0.0f ? 1.0f / l[i] : 0.0f);
             for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)i * D + d), inv));
+        }
+    free(buf);
+    return 0;
+}
+#endif
+
+#if defined(PA_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PA_AVX512 1
+/* The AVX-512 task, for a head dim that is a multiple of 16: the same three passes, each over
+ * sixteen lanes, with no horizontal sum per key. Scores sixteen keys at a time: per query vector,
+ * sixteen accumulators (one per key, over D in order), then one fixed tree sums each key's sixteen
+ * lanes (lanes l and l+8, then l and l+4, then pairs) for all sixteen at once: every key's score
+ * the same sequence of operations wherever it falls. The weights' sum in sixteen lanes over the
+ * keys in order, then one fixed tree; the weighted values sixteen dims at a time, up to four query
+ * vectors by four vectors of dims in registers, every key added in position order. A row's result
+ * depends only on its own query and the keys it sees, as in the eight-lane task (which runs where
+ * the head dim is a multiple of 8 only). */
+
+/* nk keys (or values) of one KV head from one cache block as float32 rows of D, then zero rows up to
+ * a multiple of 16 (a padded key's score is computed and then masked). */
+static void pa_load16_f32(const void *cache, int64_t base, int nk, int KVH, int D, float *dst, int64_t next,
+                          int next_nk) {
+    pa_prefetch(cache, next, next_nk, KVH, D, 4);
+    const float *c = (const float *)cache;
+    for (int tk = 0; tk < nk; tk++) memcpy(dst + (int64_t)tk * D, c + (base + (int64_t)tk * KVH) * D, sizeof(float) * D);
+    for (int tk = nk; tk % 16; tk++) memset(dst + (int64_t)tk * D, 0, sizeof(float) * D);
+}
+
+static void pa_load16_bf16(const void *cache, int64_t base, int nk, int KVH, int D, float *dst, int64_t next,
+                           int next_nk) {
+    pa_prefetch(cache, next, next_nk, KVH, D, 2);
+    const uint16_t *c = (const uint16_t *)cache;
+    for (int tk = 0; tk < nk; tk++) {
+        const uint16_t *src = c + (base + (int64_t)tk * KVH) * D;
+        float *o = dst + (int64_t)tk * D;
+        for (int d = 0; d < D; d += 16) {
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
+            _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+    }
+    for (int tk = nk; tk % 16; tk++) memset(dst + (int64_t)tk * D, 0, sizeof(float) * D);
+}
+
+/* [a's low half + its high half | b's likewise]: two keys' sixteen lanes to eight each */
+static inline __m512 pa_halves16(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+/* four keys' eight lanes (two per argument) to four each, one key per 128-bit lane */
+static inline __m512 pa_quarters16(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* within each 128-bit lane, adjacent pairs: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] */
+static inline __m512 pa_pairs16(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Sixteen keys' sixteen-lane sums (a[t]: key t's) to one score each, key t in lane t, every key's
+ * lanes summed by the same tree. */
+static inline __m512 pa_reduce16(const __m512 *a) {
+    const __m512 r0 = pa_quarters16(pa_halves16(a[0], a[1]), pa_halves16(a[2], a[3]));    /* keys 0-3, one per 128-bit lane */
+    const __m512 r1 = pa_quarters16(pa_halves16(a[4], a[5]), pa_halves16(a[6], a[7]));    /* keys 4-7 */
+    const __m512 r2 = pa_quarters16(pa_halves16(a[8], a[9]), pa_halves16(a[10], a[11]));  /* keys 8-11 */
+    const __m512 r3 = pa_quarters16(pa_halves16(a[12], a[13]), pa_halves16(a[14], a[15])); /* keys 12-15 */
+    /* element 4j + m holds key 4m + j */
+    const __m512 z = pa_pairs16(pa_pairs16(r0, r1), pa_pairs16(r2, r3));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+/* One query vector's scores against 16 keys (rows of kf, D floats apart). */
+static inline __m512 pa_dots16(const float *qv, const float *kf, int D) {
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        const __m512 x = _mm512_loadu_ps(qv + d);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) a[t] = _mm512_fmadd_ps(x, _mm512_loadu_ps(kf + (int64_t)t * D + d), a[t]);
+    }
+    return pa_reduce16(a);
+}
+
+/* acc[x * D + d + 16 y] += sum over keys tk in order of w[x * ld + tk] * vf[tk * D + d + 16 y], for x < NI
+ * query vectors and y < ND vectors of dims (constants where it is inlined: all in registers); with LS,
+ * also lsum[x] += each w[x * ld + tk] in the same order (the softmax's denominator, key by key in
+ * position order as the values are: a lane-wise sum would tie it to where the keys lie). */
+static inline __attribute__((always_inline)) void pa_values16(const int NI, const int ND, const int LS, const float *w,
+                                                              int64_t ld, const float *vf, int D, int nk, float *acc,
+                                                              float *lsum) {
+    __m512 c[4][4], ls[4];
+    for (int x = 0; x < NI; x++) {
+        for (int y = 0; y < ND; y++) c[x][y] = _mm512_loadu_ps(acc + (int64_t)x * D + 16 * y);
+        if (LS) ls[x] = _mm512_set1_ps(lsum[x]);
+    }
+    for (int tk = 0; tk < nk; tk++) {
+        __m512 v[4];
+        for (int y = 0; y < ND; y++) v[y] = _mm512_loadu_ps(vf + (int64_t)tk * D + 16 * y);
+        for (int x = 0; x < NI; x++) {
+            const __m512 wx = _mm512_set1_ps(w[(int64_t)x * ld + tk]);
+            for (int y = 0; y < ND; y++) c[x][y] = _mm512_fmadd_ps(wx, v[y], c[x][y]);
+            if (LS) ls[x] = _mm512_add_ps(ls[x], wx);
+        }
+    }
+    for (int x = 0; x < NI; x++) {
+        for (int y = 0; y < ND; y++) _mm512_storeu_ps(acc + (int64_t)x * D + 16 * y, c[x][y]);
+        if (LS) lsum[x] = _mm512_cvtss_f32(ls[x]);
+    }
+}
+
+#define PA_VALUES_CASE(NI, ND)                                                                   \
+    case (NI) * 4 + (ND):                                                                      \
+        if (lsum) pa_values16(NI, ND, 1, w, ld, vf, D, nk, acc, lsum);                         \
+        else pa_values16(NI, ND, 0, w, ld, vf, D, nk, acc, lsum);                              \
+        break;
+
+static void pa_values16_any(int ni, int nd, const float *w, int64_t ld, const float *vf, int D, int nk, float *acc,
+                            float *lsum) {
+    switch (ni * 4 + nd) {
+        PA_VALUES_CASE(1, 1) PA_VALUES_CASE(1, 2) PA_VALUES_CASE(1, 3) PA_VALUES_CASE(1, 4)
+        PA_VALUES_CASE(2, 1) PA_VALUES_CASE(2, 2) PA_VALUES_CASE(2, 3) PA_VALUES_CASE(2, 4)
+        PA_VALUES_CASE(3, 1) PA_VALUES_CASE(3, 2) PA_VALUES_CASE(3, 3) PA_VALUES_CASE(3, 4)
+        PA_VALUES_CASE(4, 1) PA_VALUES_CASE(4, 2) PA_VALUES_CASE(4, 3) PA_VALUES_CASE(4, 4)
+        default: break;
+    }
+}
+
+static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cache, pa_load_fn load, float *out,
+                          const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
+                          const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,
+                          int D, int BS, float scale, int64_t ldq, const task_t *t) {
+    const int rep = H / KVH, it = t->item, g = t->group;
+    const int nq = q_len[it], ctx = ctx_len[it], cached = ctx - nq;
+    const int64_t moff = mask_off[it];
+    const int32_t *table = tables + table_off[it];
+    const int last_row = t->row0 + t->rows - 1;
+    const int kend = moff < 0 ? cached + last_row + 1 : ctx; /* the last key any row of this tile may see */
+    const int nblocks = (kend + BS - 1) / BS;
+    const int nv = t->rows * rep;               /* query vectors: row r, head j at r * rep + j */
+    const int64_t ld = (int64_t)kend + 16 + BS; /* room for a padded chunk's stores past the end */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(nv * (ld + 2 * D) + (BS + 16) * D));
+    if (!buf) return -2;
+    float *s = buf, *qv = s + nv * ld, *acc = qv + (int64_t)nv * D, *kf = acc + (int64_t)nv * D;
+    float m[TILE_Q * MAX_REP], l[TILE_Q * MAX_REP];
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < t->rows; r++)
+        for (int j = 0; j < rep; j++) {
+            const float *src = q + (int64_t)(q_start[it] + t->row0 + r) * ldq + (g * rep + j) * D;
+            float *dst = qv + (int64_t)(r * rep + j) * D;
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), vscale));
+        }
+    memset(acc, 0, sizeof(float) * (size_t)nv * D);
+    __m512 vmax[TILE_Q * MAX_REP];
+    for (int i = 0; i < nv; i++) vmax[i] = ninf;
+    /* pass 1: every score, masked ones -inf, and each vector's maximum */
+    for (int b = 0; b < nblocks; b++) {
+        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
+        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
+        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
+        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
+        load(k_cache, base, nk, KVH, D, kf, next, next_nk);
+        for (int k0 = 0; k0 < nk; k0 += 16) {
+            const int p = p0 + k0, valid = nk - k0 < 16 ? nk - k0 : 16;
+            const int plain = valid == 16 && p + 16 <= cached; /* all 16 keys are cached ones: all visible */
+            for (int r = 0; r < t->rows; r++) {
+                __mmask16 keep = 0xFFFF;
+                if (!plain) {
+                    const int row = t->row0 + r;
+                    keep = 0;
+                    for (int x = 0; x < valid; x++) {
+                        const int pp = p + x;
+                        int vis = 1;
+                        if (pp >= cached) {
+                            const int jj = pp - cached;
+                            vis = moff < 0 ? (jj <= row) : (masks[moff + (int64_t)row * nq + jj] != 0);
+                        }
+                        keep |= (__mmask16)(vis << x);
+                    }
+                }
+                for (int j = 0; j < rep; j++) {
+                    const int i = r * rep + j;
+                    const __m512 dots = _mm512_mask_blend_ps(keep, ninf, pa_dots16(qv + (int64_t)i * D, kf + (int64_t)k0 * D, D));
+                    _mm512_storeu_ps(s + i * ld + p, dots);
+                    vmax[i] = _mm512_max_ps(vmax[i], dots);
+                }
+            }
+        }
+    }
+    /* pass 2: weights (0 where masked) */
+    for (int i = 0; i < nv; i++) {
+        m[i] = _mm512_reduce_max_ps(vmax[i]);
+        l[i] = 0.0f;
+        float *sp = s + i * ld;
+        if (m[i] == -INFINITY) { /* nothing visible: every weight 0 */
+            memset(sp, 0, sizeof(float) * (size_t)(kend + 16));
+            continue;
+        }
+        const __m512 vm = _mm512_set1_ps(m[i]);
+        for (int p = 0; p < kend; p += 16) {
+            const __mmask16 in = kend - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (kend - p)) - 1u);
+            const __m512 x = _mm512_mask_loadu_ps(ninf, in, sp + p);
+            _mm512_storeu_ps(sp + p, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ),
+                                                         exp_nonpositive_avx512(_mm512_sub_ps(x, vm))));
+        }
+    }
+    /* pass 3: the weighted values and the weights' sum, key by key in position order, up to four
+       query vectors by sixty-four dims at a time */
+    for (int b = 0; b < nblocks; b++) {
+        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
+        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
+        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
+        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
+        load(v_cache, base, nk, KVH, D, kf, next, next_nk);
+        for (int i0 = 0; i0 < nv; i0 += 4) {
+            const int ni = nv - i0 < 4 ? nv - i0 : 4;
+            for (int d = 0; d < D; d += 64) {
+                const int nd = (D - d) / 16 < 4 ? (D - d) / 16 : 4;
+                pa_values16_any(ni, nd, s + (int64_t)i0 * ld + p0, ld, kf + d, D, nk, acc + (int64_t)i0 * D + d,
+                                d == 0 ? l + i0 : NULL);
+            }
+        }
+    }
+    for (int r = 0; r < t->rows; r++)
+        for (int j = 0; j < rep; j++) {
+            const int i = r * rep + j;
+            float *dst = out + ((int64_t)(q_start[it] + t->row0 + r) * H + g * rep + j) * D;
+            const __m512 inv = _mm512_set1_ps(l[i] > 0.0f ? 1.0f / l[i] : 0.0f);
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc + (int64_t)i * D + d), inv));
         }
     free(buf);
     return 0;
@@ -400,6 +644,9 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
                            const int32_t *tables, const int32_t *table_off, const uint8_t *masks,      \
                            const int64_t *mask_off, int H, int KVH, int D, int BS, float scale,        \
                            int64_t ldq, const task_t *t) {                                              \
+        if (WIDE_OK(D))                                                                               \
+            return WIDE_TASK(q, k_cache, v_cache, WIDE_LOAD(NAME), out, q_start, q_len, ctx_len,       \
+                             tables, table_off, masks, mask_off, H, KVH, D, BS, scale, ldq, t);        \
         if (VECTOR_OK(D))                                                                             \
             return VECTOR_TASK(q, k_cache, v_cache, VECTOR_LOAD(NAME), out, q_start, q_len, ctx_len,   \
                                tables, table_off, masks, mask_off, H, KVH, D, BS, scale, ldq, t);      \
@@ -446,6 +693,17 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
 #define VECTOR_OK(D) 0
 #define VECTOR_TASK(...) 0
 #define VECTOR_LOAD(NAME) 0
+#endif
+#ifdef PA_AVX512
+#define WIDE_OK(D) ((D) % 16 == 0)
+#define WIDE_TASK pa_task_avx512
+#define WIDE_LOAD(NAME) NAME##_wload
+#define paged_attention_f32_wload pa_load16_f32
+#define paged_attention_bf16_wload pa_load16_bf16
+#else
+#define WIDE_OK(D) 0
+#define WIDE_TASK(...) 0
+#define WIDE_LOAD(NAME) 0
 #endif
 
 #define LOAD_F32(x) (x)
