@@ -26,12 +26,17 @@ from specserve.model.quant import (
 from conftest import random_prompts
 
 ISAS = ops.runnable_isas()  # the compiled variants this CPU runs: each is tested
+# The attention kernel in each variant at each of its widths (`lanes`: 0 the widest, 8 the eight-lane
+# task; the same where the variant has one).
+ATTENTION = [f"{isa}-{lanes}" for isa in ISAS for lanes in (0, 8)]
 
 
 def _on(kernel, isa: str):  # type: ignore[no-untyped-def]
-    """The kernel (a projection or the attention backend) run by variant `isa`."""
+    """The kernel (a projection, or the attention backend: `isa-lanes`) run by variant `isa`."""
     if isinstance(kernel, CpuPagedBackend):
-        kernel._isa = ops.isa_id(isa)
+        name, lanes = isa.rsplit("-", 1)
+        kernel._isa = ops.isa_id(name)
+        kernel.lanes = int(lanes)
     else:
         kernel.isa = ops.isa_id(isa)
     return kernel
@@ -76,7 +81,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ATTENTION)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype, isa: str, shape: str) -> None:
@@ -98,7 +103,7 @@ def test_paged_kernel_equals_sdpa_reference(case: str, dtype: torch.dtype, isa: 
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ATTENTION)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("cached", [1, 7, 40, 61, 200, 333, 517])
 def test_paged_kernel_row_is_the_same_alone_in_a_batch_in_a_chunk_and_in_a_tree(
@@ -289,6 +294,39 @@ def test_tuner_decide_takes_the_fastest_and_remembers_it(tmp_path: Path) -> None
     assert KernelTuner(cpu, path).recall("other", ["a", "b"]) is None
 
 
+def test_attention_width_is_timed_once_per_machine_and_heads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the attention kernel has two widths (an AVX-512 variant, a head dim a multiple of 16),
+    `attention_lanes` takes the one its timing finds faster and a later engine on this machine
+    recalls it without timing; where it has one, 0 without timing; the backend `make_backend` gives
+    runs the width chosen."""
+    from specserve.model import tuning
+    from specserve.model.attention import make_backend
+
+    path = tmp_path / "kernel-choices.json"
+    monkeypatch.setattr(tuning, "cache_root", lambda: tmp_path)  # make_backend's tuner reads the same file
+    cpu = torch.device("cpu")
+    wide = "avx512" in ops.ISAS[ops.layer_isa()]
+    timed: list[int] = []
+
+    def fake(*args: object) -> dict[int, float]:
+        timed.append(1)
+        return {0: 2.0, 8: 1.0}  # the eight-lane task faster here
+
+    monkeypatch.setattr(tuning, "_attention_seconds", fake)
+    want = 8 if wide else 0
+    assert tuning.attention_lanes(KernelTuner(cpu, path), 9, 3, 64, torch.bfloat16) == want
+    assert tuning.attention_lanes(KernelTuner(cpu, path), 9, 3, 64, torch.bfloat16) == want
+    assert len(timed) == (1 if wide else 0)
+    assert tuning.attention_lanes(KernelTuner(cpu, path), 9, 3, 40, torch.bfloat16) == 0  # one width for 40
+    backend = make_backend("auto", cpu, 9, 3, 64, torch.bfloat16)
+    assert isinstance(backend, CpuPagedBackend) and backend.lanes == want and len(timed) == (1 if wide else 0)
+    if wide:  # the width asked for is the one that runs: the two sum in other orders
+        batch, q, k, v, kc, vc = _batch(CASES["mixed"], torch.bfloat16, shape=SHAPES["9x3x64-bs16"])
+        outs = [CpuPagedBackend(9, 3, 64, lanes).forward(q, k, v, kc.clone(), vc.clone(), backend.plan(batch, cpu))
+                for lanes in (0, 8)]
+        assert not torch.equal(*outs)
+
+
 def test_the_prefetch_policy_is_timed_once_per_machine_and_set_on_every_kernel(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`choose_prefetch` times the policies on the packed kernels of the modules it is given
@@ -362,6 +400,9 @@ def test_operators_refuse_what_they_would_read_outside_of() -> None:
     with pytest.raises(RuntimeError, match=f"names block {NB} of a cache of {NB}"):
         torch.ops.specserve.paged_attention(q, kc, vc, meta.q_start, meta.q_len, meta.ctx_len, bad, meta.table_off,
                                             meta.masks, meta.mask_off, 1.0, isa)
+    with pytest.raises(RuntimeError, match="lanes must be 0 .the widest. or 8, got 16"):
+        torch.ops.specserve.paged_attention(q, kc, vc, meta.q_start, meta.q_len, meta.ctx_len, meta.tables,
+                                            meta.table_off, meta.masks, meta.mask_off, 1.0, isa, 16)
     with pytest.raises(RuntimeError, match="is outside the cache"):
         torch.ops.specserve.write_kv(k, v, kc, vc, torch.full((len(k),), NB * BS), isa)
     decoder = torch.classes.specserve.Decoder(64, 128, 4, 2, 16, 1e-6, isa)

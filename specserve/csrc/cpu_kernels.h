@@ -46,11 +46,13 @@ typedef struct {
     int (*paged_attention_f32)(const float *q, const float *k_cache, const float *v_cache, float *out, int n_items,
                                const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
                                const int32_t *tables, const int32_t *table_off, const uint8_t *masks,
-                               const int64_t *mask_off, int H, int KVH, int D, int BS, float scale, int64_t ldq);
+                               const int64_t *mask_off, int H, int KVH, int D, int BS, float scale, int64_t ldq,
+                               int lanes);
     int (*paged_attention_bf16)(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, float *out,
                                 int n_items, const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
                                 const int32_t *tables, const int32_t *table_off, const uint8_t *masks,
-                                const int64_t *mask_off, int H, int KVH, int D, int BS, float scale, int64_t ldq);
+                                const int64_t *mask_off, int H, int KVH, int D, int BS, float scale, int64_t ldq,
+                               int lanes);
     void (*write_kv_f32)(const float *k, const float *v, int64_t ld, float *k_cache, float *v_cache,
                          const int64_t *slots, int T, int row);
     void (*write_kv_bf16)(const float *k, const float *v, int64_t ld, uint16_t *k_cache, uint16_t *v_cache,
@@ -62,7 +64,7 @@ typedef struct {
                            float eps, int H, int KVH, int D, int BS, int kv_bf16, const float *cos, const float *sin,
                            const int64_t *slots, int n_items, const int32_t *q_start, const int32_t *q_len,
                            const int32_t *ctx_len, const int32_t *tables, const int32_t *table_off,
-                           const uint8_t *masks, const int64_t *mask_off, float scale);
+                           const uint8_t *masks, const int64_t *mask_off, float scale, int lanes);
     void (*row_topk)(const float *x, int T, int n, int64_t ld, int k, int64_t *out);
 } specserve_cpu_kernels;
 

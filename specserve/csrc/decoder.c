@@ -30,7 +30,7 @@ static int decoder_forward(float *x, int T, int hidden, int intermediate, const 
                     int H, int KVH, int D, int BS, int kv_bf16, const float *cos, const float *sin,
                     const int64_t *slots, int n_items, const int32_t *q_start, const int32_t *q_len,
                     const int32_t *ctx_len, const int32_t *tables, const int32_t *table_off, const uint8_t *masks,
-                    const int64_t *mask_off, float scale) {
+                    const int64_t *mask_off, float scale, int lanes) {
     const int qkv_w = (H + 2 * KVH) * D;
     float *h = (float *)malloc(sizeof(float) * (size_t)T * hidden);
     float *qkv = (float *)malloc(sizeof(float) * (size_t)T * qkv_w);
@@ -49,11 +49,12 @@ static int decoder_forward(float *x, int T, int hidden, int intermediate, const 
             write_kv_bf16(k, v, qkv_w, (uint16_t *)L->k_cache, (uint16_t *)L->v_cache, slots, T, KVH * D);
             rc = paged_attention_bf16(qkv, (const uint16_t *)L->k_cache, (const uint16_t *)L->v_cache, att, n_items,
                                       q_start, q_len, ctx_len, tables, table_off, masks, mask_off, H, KVH, D, BS,
-                                      scale, qkv_w);
+                                      scale, qkv_w, lanes);
         } else {
             write_kv_f32(k, v, qkv_w, (float *)L->k_cache, (float *)L->v_cache, slots, T, KVH * D);
             rc = paged_attention_f32(qkv, (const float *)L->k_cache, (const float *)L->v_cache, att, n_items, q_start,
-                                     q_len, ctx_len, tables, table_off, masks, mask_off, H, KVH, D, BS, scale, qkv_w);
+                                     q_len, ctx_len, tables, table_off, masks, mask_off, H, KVH, D, BS, scale, qkv_w,
+                                     lanes);
         }
         if (rc) break;
         if ((rc = run_linear(&L->o, att, T, tmp))) break;

@@ -5,12 +5,13 @@
 //   linear_int8(x, q, scale, bias, isa)                      int8 weights, a scale per row
 //   linear_int4(x, packed, scale, minimum, bias, isa)        int4 weights in Q4_1-like groups of 32
 //   int8_round_activations(x, isa)                           x as the int8/int4 products see it (tests)
-//   paged_attention(q, k_cache, v_cache, <metadata>, scale, isa)   attention over the paged cache
+//   paged_attention(q, k_cache, v_cache, <metadata>, scale, isa, lanes=0)   attention over the paged cache
+//                                                            (lanes 8: the eight-lane task where a wider one is compiled)
 //   write_kv(k, v, k_cache!, v_cache!, slots, isa)           new K/V into their cache slots
 //   rope_(x!, n_heads, head_dim, cos, sin, isa)              rotary embedding in place
 //   rms_norm(x, weight, eps, isa), silu_mul(gate_up, isa)
 //   row_topk(x, k, isa)                                      each row's k largest values' indices
-//   decoder_forward(decoder, x, n_layers, cos, sin, slots, <metadata>, scale, first_layer=0)
+//   decoder_forward(decoder, x, n_layers, cos, sin, slots, <metadata>, scale, first_layer=0, lanes=0)
 //       layers first_layer .. first_layer + n_layers - 1 of a step in one call, over a `Decoder` (a torch class holding the layers'
 //       weights and caches), with the same kernels as the operators above.
 //
@@ -177,12 +178,18 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const cha
                 v_cache.sizes(), " differ");
 }
 
+// Attention's vector width: 0, the widest task the variant has for the head dim; 8, the eight-lane one.
+void check_lanes(int64_t lanes, const char* what) {
+    TORCH_CHECK(lanes == 0 || lanes == 8, what, ": lanes must be 0 (the widest) or 8, got ", lanes);
+}
+
 // q [T, H, D] float32 with rows q.stride(0) floats apart (a view of a fused q/k/v may be).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& ctx_len,
                            const at::Tensor& tables, const at::Tensor& table_off, const at::Tensor& masks,
-                           const at::Tensor& mask_off, double scale, int64_t isa) {
+                           const at::Tensor& mask_off, double scale, int64_t isa, int64_t lanes) {
     const char* what = "paged_attention";
+    check_lanes(lanes, what);
     const auto& k = kernels(isa, what);
     check_cpu(q, at::kFloat, 3, what, "q");
     check_cache(k_cache, v_cache, what);
@@ -200,14 +207,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                                                  ctx_len.data_ptr<int32_t>(), tables.data_ptr<int32_t>(),
                                                  table_off.data_ptr<int32_t>(), masks.data_ptr<uint8_t>(),
                                                  mask_off.data_ptr<int64_t>(), (int)H, (int)KVH, (int)D, (int)BS,
-                                                 (float)scale, q.stride(0))
+                                                 (float)scale, q.stride(0), (int)lanes)
                         : k.paged_attention_f32(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                                 v_cache.data_ptr<float>(), out.data_ptr<float>(), (int)n,
                                                 q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(),
                                                 ctx_len.data_ptr<int32_t>(), tables.data_ptr<int32_t>(),
                                                 table_off.data_ptr<int32_t>(), masks.data_ptr<uint8_t>(),
                                                 mask_off.data_ptr<int64_t>(), (int)H, (int)KVH, (int)D, (int)BS,
-                                                (float)scale, q.stride(0));
+                                                (float)scale, q.stride(0), (int)lanes);
     TORCH_CHECK(rc == 0, what, ": ", H, " query heads over ", KVH, " KV heads of dim ", D, " in blocks of ", BS,
                 " are outside the kernel's limits (code ", rc, ")");
     return out;
@@ -455,8 +462,9 @@ at::Tensor decoder_forward(const c10::intrusive_ptr<Decoder>& dec, const at::Ten
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& ctx_len,
                            const at::Tensor& tables, const at::Tensor& table_off, const at::Tensor& masks,
-                           const at::Tensor& mask_off, double scale, int64_t first_layer) {
+                           const at::Tensor& mask_off, double scale, int64_t first_layer, int64_t lanes) {
     const char* what = "decoder_forward";
+    check_lanes(lanes, what);
     const auto& k = kernels(dec->isa, what);
     check_cpu(x_in, at::kFloat, 2, what, "x");
     TORCH_CHECK(x_in.size(1) == dec->hidden, what, ": x has rows of ", x_in.size(1), ", the model ", dec->hidden);
@@ -476,7 +484,7 @@ at::Tensor decoder_forward(const c10::intrusive_ptr<Decoder>& dec, const at::Ten
         dec->cache_dtype == at::kBFloat16, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
         (int)n, q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(), ctx_len.data_ptr<int32_t>(),
         tables.data_ptr<int32_t>(), table_off.data_ptr<int32_t>(), masks.data_ptr<uint8_t>(),
-        mask_off.data_ptr<int64_t>(), (float)scale);
+        mask_off.data_ptr<int64_t>(), (float)scale, (int)lanes);
     check_rc(rc, what);
     return x;
 }
@@ -495,7 +503,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
     m.def("linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor minimum, Tensor? bias, int isa) -> Tensor");
     m.def("int8_round_activations(Tensor x, int isa) -> Tensor");
     m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_start, Tensor q_len, Tensor ctx_len, "
-          "Tensor tables, Tensor table_off, Tensor masks, Tensor mask_off, float scale, int isa) -> Tensor");
+          "Tensor tables, Tensor table_off, Tensor masks, Tensor mask_off, float scale, int isa, int lanes=0) -> Tensor");
     m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int isa) -> ()");
     m.def("rope_(Tensor(a!) x, int n_heads, int head_dim, Tensor cos, Tensor sin, int isa) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
@@ -503,7 +511,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
     m.def("row_topk(Tensor x, int k, int isa) -> Tensor");
     m.def("decoder_forward(__torch__.torch.classes.specserve.Decoder decoder, Tensor x, int n_layers, Tensor cos, "
           "Tensor sin, Tensor slots, Tensor q_start, Tensor q_len, Tensor ctx_len, Tensor tables, Tensor table_off, "
-          "Tensor masks, Tensor mask_off, float scale, int first_layer=0) -> Tensor");
+          "Tensor masks, Tensor mask_off, float scale, int first_layer=0, int lanes=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {

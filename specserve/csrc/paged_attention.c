@@ -22,6 +22,9 @@
  *   k_cache, v_cache:   [num_blocks, block_size, KVH, D] float32 or bfloat16
  *   per item i:         q_start[i], q_len[i], ctx_len[i], table_off[i] (into tables),
  *                       mask_off[i] (into masks, a [q_len, q_len] uint8 matrix; -1 = causal)
+ *   lanes:              8: the eight-lane task even where a sixteen-lane one is compiled; else the
+ *                       widest this variant has for the head dim (which is faster is measured per
+ *                       machine: specserve.model.tuning.attention_lanes)
  * Compiled into the operator library once per instruction-set variant (cpu_kernels_<isa>.c).
  */
 #include <float.h>
@@ -643,8 +646,8 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
                            const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,       \
                            const int32_t *tables, const int32_t *table_off, const uint8_t *masks,      \
                            const int64_t *mask_off, int H, int KVH, int D, int BS, float scale,        \
-                           int64_t ldq, const task_t *t) {                                              \
-        if (WIDE_OK(D))                                                                               \
+                           int64_t ldq, const task_t *t, int lanes) {                                   \
+        if (lanes != 8 && WIDE_OK(D))                                                                 \
             return WIDE_TASK(q, k_cache, v_cache, WIDE_LOAD(NAME), out, q_start, q_len, ctx_len,       \
                              tables, table_off, masks, mask_off, H, KVH, D, BS, scale, ldq, t);        \
         if (VECTOR_OK(D))                                                                             \
@@ -657,7 +660,7 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
     static int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, float *out, int n_items,       \
              const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables, \
              const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,   \
-             int D, int BS, float scale, int64_t ldq) {                                               \
+             int D, int BS, float scale, int64_t ldq, int lanes) {                                    \
         if (H % KVH || H / KVH > MAX_REP || D > MAX_D || BS > MAX_BS) return -1;                      \
         int n_tasks = 0;                                                                              \
         for (int i = 0; i < n_items; i++) n_tasks += KVH * ((q_len[i] + TILE_Q - 1) / TILE_Q);        \
@@ -676,7 +679,7 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
         int rc = 0;                                                                                   \
         _Pragma("omp parallel for schedule(dynamic, 1) reduction(min:rc)") for (int i = 0; i < n_tasks; i++) { \
             const int r = NAME##_task(q, k_cache, v_cache, out, q_start, q_len, ctx_len, tables, table_off, \
-                                      masks, mask_off, H, KVH, D, BS, scale, ldq, &tasks[i]);         \
+                                      masks, mask_off, H, KVH, D, BS, scale, ldq, &tasks[i], lanes);  \
             rc = r < rc ? r : rc;                                                                     \
         }                                                                                             \
         free(tasks);                                                                                  \

@@ -79,4 +79,4 @@ class NativeDecoder:
         `num_layers` layers from there."""
         return torch.ops.specserve.decoder_forward(
             self._decoder, x, num_layers, cos, sin, meta.slot_mapping, meta.q_start, meta.q_len, meta.ctx_len,
-            meta.tables, meta.table_off, meta.masks, meta.mask_off, scale, first_layer)
+            meta.tables, meta.table_off, meta.masks, meta.mask_off, scale, first_layer, meta.lanes)

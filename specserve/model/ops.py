@@ -131,7 +131,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("specserve::paged_attention")
-    def _(q, k_cache, v_cache, q_start, q_len, ctx_len, tables, table_off, masks, mask_off, scale, isa):  # type: ignore[no-untyped-def]
+    def _(q, k_cache, v_cache, q_start, q_len, ctx_len, tables, table_off, masks, mask_off, scale, isa, lanes=0):  # type: ignore[no-untyped-def]
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("specserve::write_kv")

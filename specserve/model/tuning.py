@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from specserve.isa import cache_root, cpu_info
+from specserve.model import ops
 from specserve.model.ops import PACKED_BY_ID
 from specserve.model.quant import PREFETCH_POLICIES, GGUFLinearKernel, KernelFactory
 
@@ -222,3 +223,74 @@ def _stream_seconds(kernels: list[GGUFLinearKernel], rounds: int) -> dict[str, d
                     if r:
                         samples[name][m].append(time.perf_counter() - start)
     return {n: {m: statistics.median(s) for m, s in by_rows.items()} for n, by_rows in samples.items()}
+
+
+# What the attention kernel's vector widths are timed on: a step's decodes, each over a context of its
+# own, and a draft tree; in ATTENTION_SETS copies of the blocks taken in turn, so that each call reads
+# its keys from memory, as a forward's thirty-odd layers do, not from the cache the last call filled.
+ATTENTION_DECODES = 4
+ATTENTION_CONTEXT = 512
+ATTENTION_TREE = 5
+ATTENTION_SETS = 8
+
+
+def attention_lanes(tuner: KernelTuner, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                    block_size: int = 16, rounds: int = 7) -> int:
+    """The paged-attention kernel's `lanes` for these heads on this machine: 0 (its widest task:
+    sixteen lanes where the kernels' variant is AVX-512 and the head dim a multiple of 16) or 8 (the
+    eight-lane one), whichever attends a step's decodes and a draft tree faster, the two timed in
+    alternating rounds and remembered per machine. 0 where the variant has one width. (On a 2-core
+    Xeon with AVX-512 the sixteen-lane task took 4 decodes at 400 tokens in 61 us a layer where eight
+    lanes took 91; on a CPU that splits 512-bit operations in two the balance may differ.)"""
+    isa = ops.layer_isa()
+    if "avx512" not in ops.ISAS[isa] or head_dim % 16 or kv_dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    what = f"paged-attention|{num_heads}x{num_kv_heads}x{head_dim}|{str(kv_dtype).removeprefix('torch.')}"
+    seconds: dict[int, float] = {}
+
+    def timed(lanes: int) -> float:
+        if not seconds:
+            seconds.update(_attention_seconds(num_heads, num_kv_heads, head_dim, kv_dtype, block_size, isa, rounds))
+        return seconds[lanes]
+
+    return int(tuner.decide(what, {"0": lambda: timed(0), "8": lambda: timed(8)}))
+
+
+def _attention_seconds(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int,
+                       isa: int, rounds: int) -> dict[int, float]:
+    """Median seconds of one paged-attention call over ATTENTION_DECODES decodes and one tree of
+    ATTENTION_TREE nodes at ATTENTION_CONTEXT tokens, with lanes 0 and 8 (alternating rounds, the
+    first not counted)."""
+    g = torch.Generator().manual_seed(0)
+    per_item = -(-(ATTENTION_CONTEXT + ATTENTION_TREE) // block_size)
+    items = ATTENTION_DECODES + 1
+    blocks = ATTENTION_SETS * items * per_item
+    kc = torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=g).to(kv_dtype)
+    vc = torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=g).to(kv_dtype)
+    q_len = [1] * ATTENTION_DECODES + [ATTENTION_TREE]
+    ctx = [ATTENTION_CONTEXT] * ATTENTION_DECODES + [ATTENTION_CONTEXT + ATTENTION_TREE]
+    q = torch.randn(sum(q_len), num_heads, head_dim, generator=g)
+    tree = torch.tril(torch.ones(ATTENTION_TREE, ATTENTION_TREE, dtype=torch.uint8)).reshape(-1)
+
+    def i32(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int32)
+
+    q_start, meta = i32([sum(q_len[:i]) for i in range(items)]), []
+    for s in range(ATTENTION_SETS):
+        first = s * items * per_item
+        tables = list(range(first, first + items * per_item))
+        meta.append((i32(tables), i32([i * per_item for i in range(items)])))
+    mask_off = torch.tensor([-1] * ATTENTION_DECODES + [0], dtype=torch.int64)
+    samples: dict[int, list[float]] = {0: [], 8: []}
+    call = 0
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            for lanes in (0, 8) if r % 2 else (8, 0):
+                tables, table_off = meta[call % ATTENTION_SETS]
+                call += 1
+                start = time.perf_counter()
+                torch.ops.specserve.paged_attention(q, kc, vc, q_start, i32(q_len), i32(ctx), tables, table_off, tree,
+                                                    mask_off, head_dim ** -0.5, isa, lanes)
+                if r:
+                    samples[lanes].append(time.perf_counter() - start)
+    return {lanes: statistics.median(s) for lanes, s in samples.items()}

@@ -30,7 +30,8 @@ def in_place_attention(name: str, device: torch.device, kv_dtype: torch.dtype) -
 def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """The backend `name` for this device and KV cache dtype; "auto" takes the in-place CPU
-    kernel on the CPU (float32 or bfloat16 caches), else SDPA."""
+    kernel on the CPU (float32 or bfloat16 caches), else SDPA. The CPU kernel's vector width is the
+    one measured fastest for these heads on this machine (`tuning.attention_lanes`)."""
     from specserve.model.attention.cpu_paged import CpuPagedBackend
     from specserve.model.attention.sdpa import SdpaBackend
 
@@ -41,5 +42,8 @@ def make_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: 
     if name == "cpu-paged" and kv_dtype not in CpuPagedBackend.KV_DTYPES:
         raise ValueError(f"attention_backend: cpu-paged reads float32 or bfloat16 caches, not {kv_dtype}")
     if in_place_attention(name, device, kv_dtype):
-        return CpuPagedBackend(num_heads, num_kv_heads, head_dim)
+        from specserve.model.tuning import KernelTuner, attention_lanes
+
+        lanes = attention_lanes(KernelTuner(device), num_heads, num_kv_heads, head_dim, kv_dtype)
+        return CpuPagedBackend(num_heads, num_kv_heads, head_dim, lanes)
     return SdpaBackend(num_heads, num_kv_heads, head_dim)

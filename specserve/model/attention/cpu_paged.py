@@ -27,16 +27,22 @@ class PagedMetadata:
     table_off: torch.Tensor  # int32 [n_items]
     masks: torch.Tensor  # uint8, the tree masks back to back
     mask_off: torch.Tensor  # int64 [n_items], -1 = causal
+    lanes: int = 0  # the kernel's vector width (0: the widest compiled; 8: eight lanes), the backend's
 
 
 class CpuPagedBackend(AttentionBackend):
     name = "cpu-paged"
     KV_DTYPES = (torch.float32, torch.bfloat16)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, lanes: int = 0) -> None:
+        """lanes: 0, the kernel's widest task for this head dim; 8, its eight-lane one (which is
+        faster on a machine is measured: specserve.model.tuning.attention_lanes)."""
         super().__init__(num_heads, num_kv_heads, head_dim)
+        if lanes not in (0, 8):
+            raise ValueError(f"lanes: must be 0 (the widest) or 8, got {lanes}")
         ops.load()
         self._isa = ops.layer_isa()
+        self.lanes = lanes
 
     def plan(self, batch: AttentionBatch, device: torch.device) -> PagedMetadata:
         q_start, q_len, ctx_len, table_off, mask_off = [], [], [], [], []
@@ -65,7 +71,7 @@ class CpuPagedBackend(AttentionBackend):
             slot_mapping=batch.slot_mapping, n_items=len(q_len), q_start=i32(q_start), q_len=i32(q_len),
             ctx_len=i32(ctx_len), tables=i32(tables), table_off=i32(table_off),
             masks=torch.cat(masks) if masks else torch.zeros(1, dtype=torch.uint8),
-            mask_off=torch.tensor(mask_off, dtype=torch.int64),
+            mask_off=torch.tensor(mask_off, dtype=torch.int64), lanes=self.lanes,
         )
 
     def native_metadata(self, meta: PagedMetadata) -> PagedMetadata | None:
@@ -90,5 +96,5 @@ class CpuPagedBackend(AttentionBackend):
             q.float().contiguous())
         out = torch.ops.specserve.paged_attention(
             q32, k_cache, v_cache, meta.q_start, meta.q_len, meta.ctx_len, meta.tables, meta.table_off, meta.masks,
-            meta.mask_off, self.scale, self._isa)
+            meta.mask_off, self.scale, self._isa, self.lanes)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
