@@ -151,6 +151,48 @@ static inline float pa_hmax(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
+/* acc[x * D + 8 y] += sum over keys tk in order of w[x * ld + tk] * vf[tk * D + 8 y], for x < NI query
+ * vectors and y < ND (1 or 2) vectors of dims, all in registers where it is inlined with constants;
+ * with LS, also lsum[x] += each w[x * ld + tk] in the same order (the softmax's denominator, key by
+ * key in position order, as the values are). Eight independent FMA chains at four vectors by two. */
+static inline __attribute__((always_inline)) void pa_values8(const int NI, const int ND, const int LS, const float *w,
+                                                             int64_t ld, const float *vf, int D, int nk, float *acc,
+                                                             float *lsum) {
+    __m256 c[4][2], ls[4];
+    for (int x = 0; x < NI; x++) {
+        for (int y = 0; y < ND; y++) c[x][y] = _mm256_loadu_ps(acc + (int64_t)x * D + 8 * y);
+        if (LS) ls[x] = _mm256_set1_ps(lsum[x]);
+    }
+    for (int tk = 0; tk < nk; tk++) {
+        __m256 v[2];
+        for (int y = 0; y < ND; y++) v[y] = _mm256_loadu_ps(vf + (int64_t)tk * D + 8 * y);
+        for (int x = 0; x < NI; x++) {
+            const __m256 wx = _mm256_broadcast_ss(w + (int64_t)x * ld + tk);
+            for (int y = 0; y < ND; y++) c[x][y] = _mm256_fmadd_ps(wx, v[y], c[x][y]);
+            if (LS) ls[x] = _mm256_add_ps(ls[x], wx);
+        }
+    }
+    for (int x = 0; x < NI; x++) {
+        for (int y = 0; y < ND; y++) _mm256_storeu_ps(acc + (int64_t)x * D + 8 * y, c[x][y]);
+        if (LS) lsum[x] = _mm256_cvtss_f32(ls[x]);
+    }
+}
+
+#define PA_VALUES8_CASE(NI, ND)                                                                  \
+    case (NI) * 2 + (ND) - 1:                                                                  \
+        if (lsum) pa_values8(NI, ND, 1, w, ld, vf, D, nk, acc, lsum);                          \
+        else pa_values8(NI, ND, 0, w, ld, vf, D, nk, acc, lsum);                               \
+        break;
+
+static void pa_values8_any(int ni, int nd, const float *w, int64_t ld, const float *vf, int D, int nk, float *acc,
+                           float *lsum) {
+    switch (ni * 2 + nd - 1) {
+        PA_VALUES8_CASE(1, 1) PA_VALUES8_CASE(1, 2) PA_VALUES8_CASE(2, 1) PA_VALUES8_CASE(2, 2)
+        PA_VALUES8_CASE(3, 1) PA_VALUES8_CASE(3, 2) PA_VALUES8_CASE(4, 1) PA_VALUES8_CASE(4, 2)
+        default: break;
+    }
+}
+
 static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache, pa_load_fn load, float *out,
                         const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
                         const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,
@@ -227,7 +269,7 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
             }
         }
     }
-    /* pass 2: weights (0 where masked), and their sum key by key in position order */
+    /* pass 2: weights (0 where masked) */
     for (int i = 0; i < nv; i++) {
         m[i] = pa_hmax(vmax[i]);
         l[i] = 0.0f;
@@ -244,11 +286,8 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
         }
         for (int p = kend; p < kend + 8; p++) sp[p] = 0.0f; /* a padded group's tail adds nothing */
     }
-    for (int p = 0; p < kend; p++)
-        for (int i = 0; i < nv; i++) l[i] += s[i * ld + p];
-    /* pass 3: the weighted values, key by key in position order, sixteen dims (two vectors) of up to
-       four query vectors at a time: eight independent FMA chains (four were latency-bound), each
-       element's sum in the same order as eight dims at a time, so the results are bitwise the same */
+    /* pass 3: the weighted values and the weights' sum, key by key in position order, sixteen dims (two
+       vectors) of up to four query vectors at a time */
     for (int b = 0; b < nblocks; b++) {
         const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
         const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
@@ -257,47 +296,10 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
         load(v_cache, base, nk, KVH, D, kf, next, next_nk);
         for (int i0 = 0; i0 < nv; i0 += 4) {
             const int ni = nv - i0 < 4 ? nv - i0 : 4;
-            const float *w0 = s + (int64_t)i0 * ld + p0;
-            float *a0 = acc + (int64_t)i0 * D;
-            int d = 0;
-            for (; d + 16 <= D; d += 16) {
-                const float *w1 = w0 + (ni > 1 ? ld : 0), *w2 = w0 + (ni > 2 ? 2 * ld : 0), *w3 = w0 + (ni > 3 ? 3 * ld : 0);
-                float *a1 = a0 + (ni > 1 ? D : 0), *a2 = a0 + (ni > 2 ? 2 * D : 0), *a3 = a0 + (ni > 3 ? 3 * D : 0);
-                __m256 c00 = _mm256_loadu_ps(a0 + d), c01 = _mm256_loadu_ps(a0 + d + 8);
-                __m256 c10 = _mm256_loadu_ps(a1 + d), c11 = _mm256_loadu_ps(a1 + d + 8);
-                __m256 c20 = _mm256_loadu_ps(a2 + d), c21 = _mm256_loadu_ps(a2 + d + 8);
-                __m256 c30 = _mm256_loadu_ps(a3 + d), c31 = _mm256_loadu_ps(a3 + d + 8);
-                const float *vp = kf + d;
-                for (int tk = 0; tk < nk; tk++, vp += D) {
-                    const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
-                    __m256 w = _mm256_broadcast_ss(w0 + tk);
-                    c00 = _mm256_fmadd_ps(w, v0, c00);
-                    c01 = _mm256_fmadd_ps(w, v1, c01);
-                    w = _mm256_broadcast_ss(w1 + tk);
-                    c10 = _mm256_fmadd_ps(w, v0, c10);
-                    c11 = _mm256_fmadd_ps(w, v1, c11);
-                    w = _mm256_broadcast_ss(w2 + tk);
-                    c20 = _mm256_fmadd_ps(w, v0, c20);
-                    c21 = _mm256_fmadd_ps(w, v1, c21);
-                    w = _mm256_broadcast_ss(w3 + tk);
-                    c30 = _mm256_fmadd_ps(w, v0, c30);
-                    c31 = _mm256_fmadd_ps(w, v1, c31);
-                }
-                /* in a short tile the missing rows alias row 0 and compute its very sums */
-                _mm256_storeu_ps(a3 + d, c30); _mm256_storeu_ps(a3 + d + 8, c31);
-                _mm256_storeu_ps(a2 + d, c20); _mm256_storeu_ps(a2 + d + 8, c21);
-                _mm256_storeu_ps(a1 + d, c10); _mm256_storeu_ps(a1 + d + 8, c11);
-                _mm256_storeu_ps(a0 + d, c00); _mm256_storeu_ps(a0 + d + 8, c01);
-            }
-            for (; d < D; d += 8) {
-                __m256 c[4];
-                for (int x = 0; x < 4; x++) c[x] = _mm256_loadu_ps(a0 + (int64_t)(x < ni ? x : 0) * D + d);
-                for (int tk = 0; tk < nk; tk++) {
-                    const __m256 v = _mm256_loadu_ps(kf + (int64_t)tk * D + d);
-                    for (int x = 0; x < 4; x++)
-                        c[x] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + (int64_t)(x < ni ? x : 0) * ld + tk), v, c[x]);
-                }
-                for (int x = 0; x < ni; x++) _mm256_storeu_ps(a0 + (int64_t)x * D + d, c[x]);
+            for (int d = 0; d < D; d += 16) {
+                const int nd = D - d >= 16 ? 2 : 1;
+                pa_values8_any(ni, nd, s + (int64_t)i0 * ld + p0, ld, kf + d, D, nk, acc + (int64_t)i0 * D + d,
+                               d == 0 ? l + i0 : NULL);
             }
         }
     }
