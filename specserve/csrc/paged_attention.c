@@ -178,18 +178,27 @@ static inline __attribute__((always_inline)) void pa_values8(const int NI, const
     }
 }
 
-#define PA_VALUES8_CASE(NI, ND)                                                                  \
-    case (NI) * 2 + (ND) - 1:                                                                  \
-        if (lsum) pa_values8(NI, ND, 1, w, ld, vf, D, nk, acc, lsum);                          \
-        else pa_values8(NI, ND, 0, w, ld, vf, D, nk, acc, lsum);                               \
-        break;
+/* Every dim of up to four query vectors (NI) for one block's keys: sixteen dims at a time, then eight
+ * (the weights' sum with the first), inlined for each NI so that one call covers the block. */
+static inline __attribute__((always_inline)) void pa_values8_all(const int NI, const float *w, int64_t ld,
+                                                                 const float *vf, int D, int nk, float *acc, float *lsum) {
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        if (d == 0 && lsum) pa_values8(NI, 2, 1, w, ld, vf, D, nk, acc, lsum);
+        else pa_values8(NI, 2, 0, w, ld, vf + d, D, nk, acc + d, lsum);
+    }
+    if (d < D) {
+        if (d == 0 && lsum) pa_values8(NI, 1, 1, w, ld, vf, D, nk, acc, lsum);
+        else pa_values8(NI, 1, 0, w, ld, vf + d, D, nk, acc + d, lsum);
+    }
+}
 
-static void pa_values8_any(int ni, int nd, const float *w, int64_t ld, const float *vf, int D, int nk, float *acc,
-                           float *lsum) {
-    switch (ni * 2 + nd - 1) {
-        PA_VALUES8_CASE(1, 1) PA_VALUES8_CASE(1, 2) PA_VALUES8_CASE(2, 1) PA_VALUES8_CASE(2, 2)
-        PA_VALUES8_CASE(3, 1) PA_VALUES8_CASE(3, 2) PA_VALUES8_CASE(4, 1) PA_VALUES8_CASE(4, 2)
-        default: break;
+static void pa_values8_any(int ni, const float *w, int64_t ld, const float *vf, int D, int nk, float *acc, float *lsum) {
+    switch (ni) {
+        case 1: pa_values8_all(1, w, ld, vf, D, nk, acc, lsum); break;
+        case 2: pa_values8_all(2, w, ld, vf, D, nk, acc, lsum); break;
+        case 3: pa_values8_all(3, w, ld, vf, D, nk, acc, lsum); break;
+        default: pa_values8_all(4, w, ld, vf, D, nk, acc, lsum); break;
     }
 }
 
@@ -294,14 +303,9 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
         const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
         const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
         load(v_cache, base, nk, KVH, D, kf, next, next_nk);
-        for (int i0 = 0; i0 < nv; i0 += 4) {
-            const int ni = nv - i0 < 4 ? nv - i0 : 4;
-            for (int d = 0; d < D; d += 16) {
-                const int nd = D - d >= 16 ? 2 : 1;
-                pa_values8_any(ni, nd, s + (int64_t)i0 * ld + p0, ld, kf + d, D, nk, acc + (int64_t)i0 * D + d,
-                               d == 0 ? l + i0 : NULL);
-            }
-        }
+        for (int i0 = 0; i0 < nv; i0 += 4)
+            pa_values8_any(nv - i0 < 4 ? nv - i0 : 4, s + (int64_t)i0 * ld + p0, ld, kf, D, nk, acc + (int64_t)i0 * D,
+                           l + i0);
     }
     for (int r = 0; r < t->rows; r++)
         for (int j = 0; j < rep; j++) {
@@ -417,20 +421,36 @@ static inline __attribute__((always_inline)) void pa_values16(const int NI, cons
     }
 }
 
-#define PA_VALUES_CASE(NI, ND)                                                                   \
-    case (NI) * 4 + (ND):                                                                      \
-        if (lsum) pa_values16(NI, ND, 1, w, ld, vf, D, nk, acc, lsum);                         \
-        else pa_values16(NI, ND, 0, w, ld, vf, D, nk, acc, lsum);                              \
-        break;
+/* Every dim of up to four query vectors (NI) for one block's keys: sixty-four dims at a time, then the
+ * rest (the weights' sum with the first), inlined for each NI so that one call covers the block. */
+static inline __attribute__((always_inline)) void pa_values16_all(const int NI, const float *w, int64_t ld,
+                                                                  const float *vf, int D, int nk, float *acc, float *lsum) {
+    int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        if (d == 0 && lsum) pa_values16(NI, 4, 1, w, ld, vf, D, nk, acc, lsum);
+        else pa_values16(NI, 4, 0, w, ld, vf + d, D, nk, acc + d, lsum);
+    }
+    const int nd = (D - d) / 16;
+    if (nd) {
+        const int ls = d == 0 && lsum;
+        switch (nd * 2 + ls) {
+            case 2: pa_values16(NI, 1, 0, w, ld, vf + d, D, nk, acc + d, lsum); break;
+            case 3: pa_values16(NI, 1, 1, w, ld, vf + d, D, nk, acc + d, lsum); break;
+            case 4: pa_values16(NI, 2, 0, w, ld, vf + d, D, nk, acc + d, lsum); break;
+            case 5: pa_values16(NI, 2, 1, w, ld, vf + d, D, nk, acc + d, lsum); break;
+            case 6: pa_values16(NI, 3, 0, w, ld, vf + d, D, nk, acc + d, lsum); break;
+            default: pa_values16(NI, 3, 1, w, ld, vf + d, D, nk, acc + d, lsum); break;
+        }
+    }
+}
 
-static void pa_values16_any(int ni, int nd, const float *w, int64_t ld, const float *vf, int D, int nk, float *acc,
+static void pa_values16_any(int ni, const float *w, int64_t ld, const float *vf, int D, int nk, float *acc,
                             float *lsum) {
-    switch (ni * 4 + nd) {
-        PA_VALUES_CASE(1, 1) PA_VALUES_CASE(1, 2) PA_VALUES_CASE(1, 3) PA_VALUES_CASE(1, 4)
-        PA_VALUES_CASE(2, 1) PA_VALUES_CASE(2, 2) PA_VALUES_CASE(2, 3) PA_VALUES_CASE(2, 4)
-        PA_VALUES_CASE(3, 1) PA_VALUES_CASE(3, 2) PA_VALUES_CASE(3, 3) PA_VALUES_CASE(3, 4)
-        PA_VALUES_CASE(4, 1) PA_VALUES_CASE(4, 2) PA_VALUES_CASE(4, 3) PA_VALUES_CASE(4, 4)
-        default: break;
+    switch (ni) {
+        case 1: pa_values16_all(1, w, ld, vf, D, nk, acc, lsum); break;
+        case 2: pa_values16_all(2, w, ld, vf, D, nk, acc, lsum); break;
+        case 3: pa_values16_all(3, w, ld, vf, D, nk, acc, lsum); break;
+        default: pa_values16_all(4, w, ld, vf, D, nk, acc, lsum); break;
     }
 }
 
@@ -520,14 +540,9 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
         const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
         const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
         load(v_cache, base, nk, KVH, D, kf, next, next_nk);
-        for (int i0 = 0; i0 < nv; i0 += 4) {
-            const int ni = nv - i0 < 4 ? nv - i0 : 4;
-            for (int d = 0; d < D; d += 64) {
-                const int nd = (D - d) / 16 < 4 ? (D - d) / 16 : 4;
-                pa_values16_any(ni, nd, s + (int64_t)i0 * ld + p0, ld, kf + d, D, nk, acc + (int64_t)i0 * D + d,
-                                d == 0 ? l + i0 : NULL);
-            }
-        }
+        for (int i0 = 0; i0 < nv; i0 += 4)
+            pa_values16_any(nv - i0 < 4 ? nv - i0 : 4, s + (int64_t)i0 * ld + p0, ld, kf, D, nk, acc + (int64_t)i0 * D,
+                            l + i0);
     }
     for (int r = 0; r < t->rows; r++)
         for (int j = 0; j < rep; j++) {
