@@ -70,6 +70,17 @@ static inline void pa_prefetch(const void *cache, int64_t next, int next_nk, int
     }
 }
 
+/* Block b of a task's keys (or values) of KV head g, up to key kend, into kf as `load` lays them out,
+ * the next block's asked of memory meanwhile; returns how many keys it holds. */
+static inline int pa_read_block(pa_load_fn load, const void *cache, const int32_t *table, int b, int nblocks, int kend,
+                                int BS, int KVH, int g, int D, float *kf) {
+    const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
+    const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
+    const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
+    load(cache, ((int64_t)table[b] * BS) * KVH + g, nk, KVH, D, kf, next, next_nk);
+    return nk;
+}
+
 static void pa_load_f32(const void *cache, int64_t base, int nk, int KVH, int D, float *dst, int64_t next,
                         int next_nk) {
     pa_prefetch(cache, next, next_nk, KVH, D, 4);
@@ -231,11 +242,7 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
     for (int i = 0; i < nv; i++) vmax[i] = ninf;
     /* pass 1: every score, masked ones -inf, and each vector's maximum */
     for (int b = 0; b < nblocks; b++) {
-        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
-        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
-        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
-        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
-        load(k_cache, base, nk, KVH, D, kf, next, next_nk);
+        const int p0 = b * BS, nk = pa_read_block(load, k_cache, table, b, nblocks, kend, BS, KVH, g, D, kf);
         for (int k0 = 0; k0 < nk; k0 += 8) {
             const int p = p0 + k0, valid = nk - k0 < 8 ? nk - k0 : 8;
             const int plain = valid == 8 && p + 8 <= cached; /* all 8 keys are cached ones: all visible */
@@ -298,11 +305,7 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
     /* pass 3: the weighted values and the weights' sum, key by key in position order, sixteen dims (two
        vectors) of up to four query vectors at a time */
     for (int b = 0; b < nblocks; b++) {
-        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
-        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
-        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
-        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
-        load(v_cache, base, nk, KVH, D, kf, next, next_nk);
+        const int p0 = b * BS, nk = pa_read_block(load, v_cache, table, b, nblocks, kend, BS, KVH, g, D, kf);
         for (int i0 = 0; i0 < nv; i0 += 4)
             pa_values8_any(nv - i0 < 4 ? nv - i0 : 4, s + (int64_t)i0 * ld + p0, ld, kf, D, nk, acc + (int64_t)i0 * D,
                            l + i0);
@@ -483,11 +486,7 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
     for (int i = 0; i < nv; i++) vmax[i] = ninf;
     /* pass 1: every score, masked ones -inf, and each vector's maximum */
     for (int b = 0; b < nblocks; b++) {
-        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
-        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
-        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
-        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
-        load(k_cache, base, nk, KVH, D, kf, next, next_nk);
+        const int p0 = b * BS, nk = pa_read_block(load, k_cache, table, b, nblocks, kend, BS, KVH, g, D, kf);
         for (int k0 = 0; k0 < nk; k0 += 16) {
             const int p = p0 + k0, valid = nk - k0 < 16 ? nk - k0 : 16;
             const int plain = valid == 16 && p + 16 <= cached; /* all 16 keys are cached ones: all visible */
@@ -535,11 +534,7 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
     /* pass 3: the weighted values and the weights' sum, key by key in position order, up to four
        query vectors by sixty-four dims at a time */
     for (int b = 0; b < nblocks; b++) {
-        const int64_t base = ((int64_t)table[b] * BS) * KVH + g;
-        const int p0 = b * BS, nk = (kend - p0) < BS ? (kend - p0) : BS;
-        const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * BS) * KVH + g : 0;
-        const int next_nk = b + 1 < nblocks ? ((kend - p0 - BS) < BS ? (kend - p0 - BS) : BS) : 0;
-        load(v_cache, base, nk, KVH, D, kf, next, next_nk);
+        const int p0 = b * BS, nk = pa_read_block(load, v_cache, table, b, nblocks, kend, BS, KVH, g, D, kf);
         for (int i0 = 0; i0 < nv; i0 += 4)
             pa_values16_any(nv - i0 < 4 ? nv - i0 : 4, s + (int64_t)i0 * ld + p0, ld, kf, D, nk, acc + (int64_t)i0 * D,
                             l + i0);
