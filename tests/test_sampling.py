@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -227,6 +228,35 @@ def test_the_native_row_topk_is_topk_in_every_variant(isa: str) -> None:
         torch.ops.specserve.row_topk(x, 0, i)
     with pytest.raises(RuntimeError, match="row_topk: k must be"):
         torch.ops.specserve.row_topk(torch.randn(2, 4), 5, i)
+
+
+@pytest.mark.parametrize("isa", ops.ISAS)
+def test_the_native_row_argmax_is_numpys_in_every_variant(isa: str) -> None:
+    """The native argmax of every kernel variant this CPU runs (its columns split among the threads
+    from 4096 on): numpy's index for every row (the vector loops' tails, ties within and across the
+    split, a NaN in either part, rows masked whole, rows strided in a wider tensor), and beside it
+    whether the value there is finite."""
+    if isa not in ops.runnable_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    i = ops.isa_id(isa)
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 7, 16, 17, 100, 4095, 4096, 49152):
+        x = torch.randn(7, n, generator=g)
+        x[1] = torch.round(x[1])  # ties at the top
+        x[2, [0, n - 1]] = 50.0  # the same maximum at both ends: the first
+        x[3] = float("-inf")
+        x[4, n // 2] = float("nan")
+        x[4, 0] = float("inf")  # a NaN beats everything, also an earlier +inf
+        x[5, n - 1] = float("nan")
+        x[6, n // 3] = float("inf")
+        out = torch.ops.specserve.row_argmax(x, i)
+        want = np.argmax(x.numpy(), axis=-1)
+        assert out[0].tolist() == want.tolist(), n
+        assert out[1].tolist() == [int(np.isfinite(x[r, want[r]].item())) for r in range(7)], n
+    wide = torch.randn(3, 9000, generator=g)
+    view = wide[:, 5:8805]  # rows 9000 floats apart
+    assert torch.ops.specserve.row_argmax(view, i)[0].tolist() == np.argmax(view.numpy(), axis=-1).tolist()
+    assert torch.ops.specserve.row_argmax(torch.randn(0, 10), i).shape == (2, 0)
 
 
 def test_greedy_choice_is_row_argmax_and_row_errors_in_one_pass() -> None:

@@ -66,6 +66,7 @@ typedef struct {
                            const int32_t *ctx_len, const int32_t *tables, const int32_t *table_off,
                            const uint8_t *masks, const int64_t *mask_off, float scale, int lanes);
     void (*row_topk)(const float *x, int T, int n, int64_t ld, int k, int64_t *out);
+    void (*row_argmax)(const float *x, int T, int n, int64_t ld, int64_t *out);
 } specserve_cpu_kernels;
 
 const specserve_cpu_kernels *specserve_cpu_kernels_generic(void);

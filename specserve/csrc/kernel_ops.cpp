@@ -11,6 +11,8 @@
 //   rope_(x!, n_heads, head_dim, cos, sin, isa)              rotary embedding in place
 //   rms_norm(x, weight, eps, isa), silu_mul(gate_up, isa)
 //   row_topk(x, k, isa)                                      each row's k largest values' indices
+//   row_argmax(x, isa)                                       each row's argmax (numpy's: NaN largest, first of ties),
+//                                                            then 1 where the value there is finite: [2, T]
 //   decoder_forward(decoder, x, n_layers, cos, sin, slots, <metadata>, scale, first_layer=0, lanes=0)
 //       layers first_layer .. first_layer + n_layers - 1 of a step in one call, over a `Decoder` (a torch class holding the layers'
 //       weights and caches), with the same kernels as the operators above.
@@ -306,6 +308,17 @@ at::Tensor row_topk(const at::Tensor& x, int64_t k, int64_t isa) {
     return out;
 }
 
+at::Tensor row_argmax(const at::Tensor& x, int64_t isa) {
+    const char* what = "row_argmax";
+    const auto& kern = kernels(isa, what);
+    check_cpu(x, at::kFloat, 2, what, "x");
+    TORCH_CHECK(x.stride(1) == 1, what, ": x's rows must be contiguous");
+    TORCH_CHECK(x.size(1) >= 1, what, ": x has no columns");
+    at::Tensor out = at::empty({2, x.size(0)}, x.options().dtype(at::kLong));
+    kern.row_argmax(x.data_ptr<float>(), (int)x.size(0), (int)x.size(1), x.stride(0), out.data_ptr<int64_t>());
+    return out;
+}
+
 // ---- the layer loop ----------------------------------------------------------------------------
 
 // A GGUF projection for the layer loop: the same product as gguf_linear.
@@ -509,6 +522,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
     m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
     m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
     m.def("row_topk(Tensor x, int k, int isa) -> Tensor");
+    m.def("row_argmax(Tensor x, int isa) -> Tensor");
     m.def("decoder_forward(__torch__.torch.classes.specserve.Decoder decoder, Tensor x, int n_layers, Tensor cos, "
           "Tensor sin, Tensor slots, Tensor q_start, Tensor q_len, Tensor ctx_len, Tensor tables, Tensor table_off, "
           "Tensor masks, Tensor mask_off, float scale, int first_layer=0, int lanes=0) -> Tensor");
@@ -525,5 +539,6 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("rms_norm", &specserve::rms_norm);
     m.impl("silu_mul", &specserve::silu_mul);
     m.impl("row_topk", &specserve::row_topk);
+    m.impl("row_argmax", &specserve::row_argmax);
     m.impl("decoder_forward", &specserve::decoder_forward);
 }

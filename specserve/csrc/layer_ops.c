@@ -3,7 +3,9 @@
  * embedding in place. Rows of k/v/x are `ld` floats apart (they may be views of fused q/k/v).
  * Compiled into the operator library once per instruction-set variant (cpu_kernels_<isa>.c). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vec_exp.h"
@@ -137,4 +139,94 @@ static void row_topk(const float *x, int T, int n, int64_t ld, int k, int64_t *o
         for (; j < n; j++)
             if (r[j] > vals[k - 1]) topk_insert(vals, ids, &count, k, r[j], j);
     }
+}
+
+/* The index of the largest of r[j0..j1) (the first where several tie; the first NaN if any: NaN counts
+ * as largest, as numpy's argmax), and that value. A vector pass for the maximum (and whether a NaN
+ * is there), then one for its first index. */
+static int64_t argmax_range(const float *r, int64_t j0, int64_t j1, float *value) {
+    int64_t j = j0;
+    float m = -INFINITY;
+    int nan = 0;
+#if defined(__AVX512F__)
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= j1; j += 16) {
+        const __m512 x = _mm512_loadu_ps(r + j);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0;
+        vm = _mm512_max_ps(vm, x);
+    }
+    m = _mm512_reduce_max_ps(vm);
+#elif defined(__AVX2__)
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= j1; j += 8) {
+        const __m256 x = _mm256_loadu_ps(r + j);
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0;
+        vm = _mm256_max_ps(vm, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+#endif
+    for (; j < j1; j++) {
+        nan |= isnan(r[j]);
+        m = r[j] > m ? r[j] : m;
+    }
+    j = j0;
+    if (!nan) { /* the first index holding the maximum, a vector at a time */
+#if defined(__AVX512F__)
+        const __m512 vmax = _mm512_set1_ps(m);
+        for (; j + 16 <= j1; j += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + j), vmax, _CMP_EQ_OQ);
+            if (hit) return *value = m, j + __builtin_ctz(hit);
+        }
+#elif defined(__AVX2__)
+        const __m256 vmax = _mm256_set1_ps(m);
+        for (; j + 8 <= j1; j += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + j), vmax, _CMP_EQ_OQ));
+            if (hit) return *value = m, j + __builtin_ctz(hit);
+        }
+#endif
+    }
+    for (; j < j1; j++)
+        if (nan ? isnan(r[j]) : r[j] == m) break;
+    if (j == j1) j = j0; /* every value -inf: the first */
+    *value = r[j];
+    return j;
+}
+
+/* Each row's argmax (x [T, n], rows ld floats apart; out [2, T]: the indices, then 1 where the value
+ * there is finite), as numpy's: the first index of the largest value, NaN counting as largest. The
+ * columns are split among the threads (as a projection's output columns are: each thread mostly
+ * reads what it wrote), then each row's parts are compared in column order: the same index whatever
+ * the split. */
+static void row_argmax(const float *x, int T, int n, int64_t ld, int64_t *out) {
+    if (T <= 0) return;
+    const int parts = n >= 4096 ? omp_get_max_threads() : 1;
+    float *vals = (float *)malloc(sizeof(float) * (size_t)T * parts);
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)T * parts);
+    if (!vals || !ids) {
+        free(vals), free(ids);
+        for (int t = 0; t < T; t++) {
+            float v;
+            out[t] = argmax_range(x + (int64_t)t * ld, 0, n, &v);
+            out[T + t] = isfinite(v) != 0;
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
+    for (int c = 0; c < parts; c++) {
+        const int64_t j0 = (int64_t)n * c / parts, j1 = (int64_t)n * (c + 1) / parts;
+        for (int t = 0; t < T; t++) ids[t * parts + c] = argmax_range(x + (int64_t)t * ld, j0, j1, &vals[t * parts + c]);
+    }
+    for (int t = 0; t < T; t++) {
+        int best = 0;
+        for (int c = 1; c < parts; c++) {
+            const float v = vals[t * parts + c], b = vals[t * parts + best];
+            if (!isnan(b) && (isnan(v) || v > b)) best = c;
+        }
+        out[t] = ids[t * parts + best];
+        out[T + t] = isfinite(vals[t * parts + best]) != 0;
+    }
+    free(vals);
+    free(ids);
 }

@@ -53,3 +53,11 @@ def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     ROW_TOPK_MAX)), largest first, the lower index first among equal values, NaN below every number."""
     isa = ops.layer_isa()  # first: it loads the library that defines the operator
     return torch.ops.specserve.row_topk(x, k, isa)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[2, T]: each row's index of its largest value ([T, n] float32, rows contiguous, n >= 1), the
+    first where several tie, NaN counting as largest (numpy's argmax); then 1 where the value there
+    is finite. The columns are split among the threads."""
+    isa = ops.layer_isa()  # first: it loads the library that defines the operator
+    return torch.ops.specserve.row_argmax(x, isa)

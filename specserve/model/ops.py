@@ -114,6 +114,10 @@ def _register_fakes() -> None:
     def _(x, k, isa):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], k, dtype=torch.long)
 
+    @torch.library.register_fake("specserve::row_argmax")
+    def _(x, isa):  # type: ignore[no-untyped-def]
+        return x.new_empty(2, x.shape[0], dtype=torch.long)
+
     @torch.library.register_fake("specserve::linear_f32")
     def _(x, weight, bias, isa):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], weight.shape[0])
