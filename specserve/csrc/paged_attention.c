@@ -55,6 +55,48 @@ typedef struct {
     int32_t item, group, row0, rows;
 } task_t;
 
+/* What a vector task's rows see: its item's cached keys, causal order or tree mask, blocks, and
+ * the keys any row of the tile may see (kend). */
+typedef struct {
+    int rep, nq, cached, kend, nblocks, nv;
+    int64_t moff;
+    const int32_t *table;
+    const uint8_t *masks;
+} pa_span_t;
+
+static inline pa_span_t pa_span(const task_t *t, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
+                                const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H,
+                                int KVH, int BS) {
+    pa_span_t sp;
+    const int it = t->item, ctx = ctx_len[it];
+    sp.rep = H / KVH;
+    sp.nq = q_len[it];
+    sp.cached = ctx - sp.nq;
+    sp.moff = mask_off[it];
+    sp.table = tables + table_off[it];
+    sp.masks = masks;
+    sp.kend = sp.moff < 0 ? sp.cached + t->row0 + t->rows : ctx;
+    sp.nblocks = (sp.kend + BS - 1) / BS;
+    sp.nv = t->rows * sp.rep; /* query vectors: row r, head j at r * rep + j */
+    return sp;
+}
+
+/* Bit x set where key p + x (x < valid) is visible to the item's new row `row`: a cached key, or a
+ * new one its causal order or tree mask lets it see. */
+static inline uint32_t pa_visible(const pa_span_t *sp, int row, int p, int valid) {
+    uint32_t bits = 0;
+    for (int x = 0; x < valid; x++) {
+        const int pp = p + x;
+        int vis = 1;
+        if (pp >= sp->cached) {
+            const int jj = pp - sp->cached;
+            vis = sp->moff < 0 ? (jj <= row) : (sp->masks[sp->moff + (int64_t)row * sp->nq + jj] != 0);
+        }
+        bits |= (uint32_t)vis << x;
+    }
+    return bits;
+}
+
 #ifdef PA_AVX2
 /* nk keys (or values) of one KV head from one cache block as float32 rows of D, then zero rows up to
  * a multiple of 8 (a padded key's score is computed and then masked); and the next block's `next_nk`
@@ -217,14 +259,10 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
                         const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
                         const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,
                         int D, int BS, float scale, int64_t ldq, const task_t *t) {
-    const int rep = H / KVH, it = t->item, g = t->group;
-    const int nq = q_len[it], ctx = ctx_len[it], cached = ctx - nq;
-    const int64_t moff = mask_off[it];
-    const int32_t *table = tables + table_off[it];
-    const int last_row = t->row0 + t->rows - 1;
-    const int kend = moff < 0 ? cached + last_row + 1 : ctx; /* the last key any row of this tile may see */
-    const int nblocks = (kend + BS - 1) / BS;
-    const int nv = t->rows * rep;            /* query vectors: row r, head j at r * rep + j */
+    const pa_span_t span = pa_span(t, q_len, ctx_len, tables, table_off, masks, mask_off, H, KVH, BS);
+    const int rep = span.rep, it = t->item, g = t->group, cached = span.cached, kend = span.kend;
+    const int nblocks = span.nblocks, nv = span.nv;
+    const int32_t *table = span.table;
     const int64_t ld = (int64_t)kend + 8 + BS; /* room for a padded group's stores past the end */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(nv * (ld + 2 * D) + (BS + 8) * D));
     if (!buf) return -2;
@@ -248,19 +286,10 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
             const int plain = valid == 8 && p + 8 <= cached; /* all 8 keys are cached ones: all visible */
             for (int r = 0; r < t->rows; r++) {
                 __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-                if (!plain) {
-                    const int row = t->row0 + r;
-                    int32_t lane[8];
-                    for (int x = 0; x < 8; x++) {
-                        const int pp = p + x;
-                        int vis = x < valid;
-                        if (vis && pp >= cached) {
-                            const int jj = pp - cached;
-                            vis = moff < 0 ? (jj <= row) : (masks[moff + (int64_t)row * nq + jj] != 0);
-                        }
-                        lane[x] = vis ? -1 : 0;
-                    }
-                    keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)lane));
+                if (!plain) { /* lane x all ones where bit x is set */
+                    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+                    const __m256i vis = _mm256_set1_epi32((int)pa_visible(&span, t->row0 + r, p, valid));
+                    keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(vis, bit), bit));
                 }
                 int j = 0;
 #if defined(__AVX512VL__)
@@ -300,7 +329,6 @@ static int pa_task_avx2(const float *q, const void *k_cache, const void *v_cache
             const __m256 w = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp_nonpositive_avx2(_mm256_sub_ps(x, vm)));
             _mm256_storeu_ps(sp + p, w);
         }
-        for (int p = kend; p < kend + 8; p++) sp[p] = 0.0f; /* a padded group's tail adds nothing */
     }
     /* pass 3: the weighted values and the weights' sum, key by key in position order, sixteen dims (two
        vectors) of up to four query vectors at a time */
@@ -461,14 +489,10 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
                           const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len, const int32_t *tables,
                           const int32_t *table_off, const uint8_t *masks, const int64_t *mask_off, int H, int KVH,
                           int D, int BS, float scale, int64_t ldq, const task_t *t) {
-    const int rep = H / KVH, it = t->item, g = t->group;
-    const int nq = q_len[it], ctx = ctx_len[it], cached = ctx - nq;
-    const int64_t moff = mask_off[it];
-    const int32_t *table = tables + table_off[it];
-    const int last_row = t->row0 + t->rows - 1;
-    const int kend = moff < 0 ? cached + last_row + 1 : ctx; /* the last key any row of this tile may see */
-    const int nblocks = (kend + BS - 1) / BS;
-    const int nv = t->rows * rep;               /* query vectors: row r, head j at r * rep + j */
+    const pa_span_t span = pa_span(t, q_len, ctx_len, tables, table_off, masks, mask_off, H, KVH, BS);
+    const int rep = span.rep, it = t->item, g = t->group, cached = span.cached, kend = span.kend;
+    const int nblocks = span.nblocks, nv = span.nv;
+    const int32_t *table = span.table;
     const int64_t ld = (int64_t)kend + 16 + BS; /* room for a padded chunk's stores past the end */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(nv * (ld + 2 * D) + (BS + 16) * D));
     if (!buf) return -2;
@@ -491,20 +515,7 @@ static int pa_task_avx512(const float *q, const void *k_cache, const void *v_cac
             const int p = p0 + k0, valid = nk - k0 < 16 ? nk - k0 : 16;
             const int plain = valid == 16 && p + 16 <= cached; /* all 16 keys are cached ones: all visible */
             for (int r = 0; r < t->rows; r++) {
-                __mmask16 keep = 0xFFFF;
-                if (!plain) {
-                    const int row = t->row0 + r;
-                    keep = 0;
-                    for (int x = 0; x < valid; x++) {
-                        const int pp = p + x;
-                        int vis = 1;
-                        if (pp >= cached) {
-                            const int jj = pp - cached;
-                            vis = moff < 0 ? (jj <= row) : (masks[moff + (int64_t)row * nq + jj] != 0);
-                        }
-                        keep |= (__mmask16)(vis << x);
-                    }
-                }
+                const __mmask16 keep = plain ? (__mmask16)0xFFFF : (__mmask16)pa_visible(&span, t->row0 + r, p, valid);
                 for (int j = 0; j < rep; j++) {
                     const int i = r * rep + j;
                     const __m512 dots = _mm512_mask_blend_ps(keep, ninf, pa_dots16(qv + (int64_t)i * D, kf + (int64_t)k0 * D, D));
