@@ -275,7 +275,7 @@ def _attention_seconds(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtyp
     def i32(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int32)
 
-    q_start, meta = i32([sum(q_len[:i]) for i in range(items)]), []
+    q_start, lens, ctxs, meta = i32([sum(q_len[:i]) for i in range(items)]), i32(q_len), i32(ctx), []
     for s in range(ATTENTION_SETS):
         first = s * items * per_item
         tables = list(range(first, first + items * per_item))
@@ -289,8 +289,8 @@ def _attention_seconds(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtyp
                 tables, table_off = meta[call % ATTENTION_SETS]
                 call += 1
                 start = time.perf_counter()
-                torch.ops.specserve.paged_attention(q, kc, vc, q_start, i32(q_len), i32(ctx), tables, table_off, tree,
-                                                    mask_off, head_dim ** -0.5, isa, lanes)
+                torch.ops.specserve.paged_attention(q, kc, vc, q_start, lens, ctxs, tables, table_off, tree, mask_off,
+                                                    head_dim ** -0.5, isa, lanes)
                 if r:
                     samples[lanes].append(time.perf_counter() - start)
     return {lanes: statistics.median(s) for lanes, s in samples.items()}

@@ -83,14 +83,20 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     as torch.argmax. Every greedy choice and every exponential race goes through here, so plain
     decoding, verification and seeded draws pick alike. On the CPU numpy's vectorized argmax: ATen's
     keeps an index per element and took 190 us for 8 rows of a 49k vocabulary, a twelfth of a small
-    model's batch-8 step (numpy: 25 us). Float32 rows with columns: the native pass, its columns split
-    among the threads as the LM head's output columns are (numpy's one thread read the other core's
-    half of fresh logits: 185 us a batch-4 step on the bundled model; BENCHMARKS.md, session 32)."""
+    model's batch-8 step (numpy: 25 us). Float32 rows: the native pass (`_native_argmax`)."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
-        if cpu_ops.fits(x) and x.dim() == 2 and x.shape[1] > 0:
+        if _native_argmax(x):
             return cpu_ops.row_argmax(x)[0]
         return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
     return x.argmax(dim=-1)
+
+
+def _native_argmax(x: torch.Tensor) -> bool:
+    """Whether `cpu_ops.row_argmax` takes x: float32 rows of at least one column on the CPU. One native
+    call, its columns split among the threads, in place of numpy's calls: right after a forward each
+    of those on the fresh logits took 8-33 us (greedy_choice's five, 212 us of a batch-4 step on the
+    bundled model against 95; BENCHMARKS.md, session 32)."""
+    return cpu_ops.fits(x) and x.dim() == 2 and x.shape[1] > 0 and not x.requires_grad
 
 
 def row_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -145,20 +151,18 @@ def greedy_choice(x: torch.Tensor, params: list[SamplingParams]) -> tuple[list[i
     row's token is meaningless, as in `Sampler`'s output."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
         return row_argmax(x).tolist(), row_errors(x, params)
-    if cpu_ops.fits(x) and x.dim() == 2 and x.shape[1] > 0:
-        # one native call and one conversion: right after a forward every numpy call on the fresh
-        # logits took 8-33 us (the five of the numpy path 170 us of a batch-4 step's 7 ms; session 32)
+    if _native_argmax(x):
         picks, finite = cpu_ops.row_argmax(x).tolist()
         if all(finite):
             return picks, [None] * len(params)
         return picks, [None if f else _describe_failure(p) for f, p in zip(finite, params)]
     a = x.numpy()
-    picks_np = np.argmax(a, axis=-1)
-    bad = ~np.isfinite(a[np.arange(a.shape[0]), picks_np])
+    picks = np.argmax(a, axis=-1)
+    bad = ~np.isfinite(a[np.arange(a.shape[0]), picks])
     errors: list[str | None] = [None] * len(params)
     if bad.any():
         errors = [_describe_failure(p) if b else None for b, p in zip(bad.tolist(), params)]
-    return picks_np.tolist(), errors
+    return picks.tolist(), errors
 
 
 def _describe_failure(p: SamplingParams) -> str:
