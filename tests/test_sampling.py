@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.model import cpu_ops, ops
+from specserve.speculation.verifier import Verdict
 from specserve.speculation.sampler import (Sampler, apply_filters, apply_penalties, chunked_topk_ids, row_argmax,
                                           row_topk_ids)
 from specserve.engine.sequence import Sequence
@@ -282,3 +283,48 @@ def test_greedy_choice_is_row_argmax_and_row_errors_in_one_pass() -> None:
         assert errors == row_errors(t, params)
         assert [e is not None for e in errors] == [False, True, True, True, False, False, True, True, False]
         assert tokens[5] == 4 and tokens[7] == 3
+
+
+def test_one_argmax_pass_over_a_step_gives_every_request_its_row_by_row_verdict() -> None:
+    """Speculator._argmax_verdicts (greedy requests with nothing that changes their logits: one
+    argmax over all the step's rows) equals sampling each plain row and verifying each tree apart,
+    with ties, a row of NaN (that request alone fails) and trees with siblings; a request that asks
+    for logprobs sends the whole step the row-by-row way."""
+    from specserve.speculation.speculator import SampleItem, Speculator
+    from specserve.speculation.tree import DraftTree
+    from specserve.speculation.verifier import Verifier
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 40
+    trees = {0: None, 1: DraftTree.chain([3, 5, 7]), 2: DraftTree((3, 4, 5, 6), (-1, -1, 0, 1)), 3: None,
+             4: DraftTree.chain([1]), 5: DraftTree((2, 3, 2), (-1, 0, 0))}
+    items, drafts, start = [], {}, 0
+    for i, tree in trees.items():
+        count = 1 + (len(tree) if tree is not None else 0)
+        items.append(SampleItem(i, make_seq(SamplingParams(temperature=0), output=[i]), (start, count)))
+        start += count
+        if tree is not None:
+            drafts[i] = tree
+    for trial in range(30):
+        # few distinct values: ties; the trees' tokens often the argmax: accepted runs
+        logits = torch.randint(0, 4, (start, vocab), generator=g).float()
+        for it in items:
+            if it.index in drafts and trial % 2:
+                tree, (first, _) = drafts[it.index], it.rows
+                for n, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
+                    logits[first + 1 + parent, tok] = 9.0
+        if trial % 3 == 0:  # a NaN in any row, a tree's own rows too: that request fails (not reached or not)
+            logits[trial % start, 5] = float("nan")
+        fast = Speculator._argmax_verdicts(items, drafts, logits)
+        assert set(fast) == set(trees)
+        for it in items:
+            first, count = it.rows
+            if it.index in drafts:
+                slow = Verifier(torch.Generator()).verify(it.row, drafts[it.index], logits[first : first + count])
+            else:
+                out = Sampler(torch.device("cpu"))(logits[first : first + 1], [it.row])
+                slow = Verdict([], out.token_ids, out.logprobs, out.errors[0]) if out.errors[0] is None else \
+                    Verdict([], [], [], out.errors[0])
+            assert fast[it.index] == slow, (trial, it.index)
+    asks = SampleItem(6, make_seq(SamplingParams(temperature=0, logprobs=1)), (start, 1))
+    assert Speculator._argmax_verdicts([*items, asks], drafts, torch.zeros(start + 1, vocab)) == {}

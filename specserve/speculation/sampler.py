@@ -165,6 +165,14 @@ def greedy_choice(x: torch.Tensor, params: list[SamplingParams]) -> tuple[list[i
     return picks.tolist(), errors
 
 
+def argmax_only(row: SamplingRow) -> bool:
+    """Whether the row's next token is its raw logits' argmax, whatever else is drawn: greedy, with
+    no logit bias, penalty, grammar or logprobs (what `Sampler` and the verifier would compute for
+    it is the argmax of the logits as they are, and an error where that value is not finite)."""
+    p = row.params
+    return p.greedy and not p.logit_bias and not p.needs_penalties and p.logprobs is None and row.grammar is None
+
+
 def _describe_failure(p: SamplingParams) -> str:
     shown = ", ".join(
         f"{name}={getattr(p, name)!r}"

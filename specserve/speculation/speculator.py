@@ -32,7 +32,7 @@ from specserve.speculation.controller import AcceptanceModel, Calibration, Candi
 from specserve.speculation.drafter import Drafter, DraftRequest, Observation, RequestView
 from specserve.speculation.grammar import extend_forced, prune
 from specserve.speculation.guard import GoodputGuard, Mode
-from specserve.speculation.sampler import Sampler, SamplingRow, row_topk_ids
+from specserve.speculation.sampler import Sampler, SamplingRow, argmax_only, greedy_choice, row_topk_ids
 from specserve.speculation.tree import EMPTY_TREE, DraftTree, replay
 from specserve.speculation.verifier import Verdict, Verifier, failed
 from specserve.structured import TokenGrammar
@@ -714,8 +714,8 @@ class Speculator:
     # -- verify --------------------------------------------------------------------------------
     def verify(self, items: list[SampleItem], drafts: dict[int, DraftTree], logits: torch.Tensor) -> dict[int, Verdict]:
         """Per item, the tokens it emits: a plain draw, or its draft tree's verdict."""
-        verdicts: dict[int, Verdict] = {}
-        plain = [it for it in items if it.index not in drafts]
+        verdicts = self._argmax_verdicts(items, drafts, logits)
+        plain = [it for it in items if it.index not in drafts and it.index not in verdicts]
         if plain:
             first = [it.rows[0] for it in plain]
             # rows in one run (a batch of decodes without drafts): a view; else a copy of those rows
@@ -724,7 +724,7 @@ class Speculator:
             verdicts.update(zip((it.index for it in plain), self._sample(plain_logits, [it.row for it in plain])))
         for it in items:
             tree = drafts.get(it.index)
-            if tree is None:
+            if tree is None or it.index in verdicts:
                 continue
             start, count = it.rows
             try:
@@ -734,9 +734,45 @@ class Speculator:
                 verdicts[it.index] = failed(f"internal error: {type(e).__name__}: {e}")
         for index, verdict in verdicts.items():
             self._step.row(index).verdict = verdict
-        for it in plain:
-            self._step.row(it.index).plain_id = it.row.request_id
+        for it in items:
+            if it.index not in drafts:
+                self._step.row(it.index).plain_id = it.row.request_id
         self._keep_top_ids(items, logits)
+        return verdicts
+
+    @staticmethod
+    def _argmax_verdicts(items: list[SampleItem], drafts: dict[int, DraftTree], logits: torch.Tensor) -> dict[int, Verdict]:
+        """Where every item's token is its raw logits' argmax (`argmax_only`: greedy, nothing that
+        changes the logits, no logprobs) and the items' rows are the logits' rows in order, the
+        verdicts of all of them, plain and drafted, from one argmax pass over the logits; else none.
+        Sampling the plain rows and verifying each tree apart made a pass over the fresh logits
+        each: ~120 us a tree on ShareGPT at batch 4 on the bundled model, where drafted steps
+        verified two or three trees."""
+        if not items or not all(argmax_only(it.row) for it in items):
+            return {}
+        expected = 0
+        for it in items:
+            if it.rows[0] != expected:
+                return {}
+            expected += it.rows[1]
+        if expected != logits.shape[0]:
+            return {}
+        try:
+            picks, errors = greedy_choice(logits, [it.row.params for it in items for _ in range(it.rows[1])])
+        except Exception:  # noqa: BLE001 - the row-by-row paths below find which request fails
+            logger.exception("one argmax pass over the step's logits failed; verifying row by row")
+            return {}
+        verdicts: dict[int, Verdict] = {}
+        for it in items:
+            start, count = it.rows
+            error = next((e for e in errors[start : start + count] if e is not None), None)
+            tree = drafts.get(it.index)
+            if error is not None:
+                verdicts[it.index] = failed(error)
+            elif tree is None:
+                verdicts[it.index] = Verdict([], [picks[start]], [None])
+            else:
+                verdicts[it.index] = Verifier.greedy_verdict(tree, picks[start : start + count])
         return verdicts
 
     @property

@@ -109,6 +109,17 @@ class Verifier:
             logprobs = token_logprobs(raw_logprobs, tokens, [params.logprobs] * len(tokens))
         return Verdict(accepted, tokens, logprobs)
 
+    @classmethod
+    def greedy_verdict(cls, tree: DraftTree, picks: list[int]) -> Verdict:
+        """The verdict of `verify` for a request whose every row's pick is its raw argmax
+        (`sampler.argmax_only`), given those argmaxes (`picks`, one a row, all finite)."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            children.setdefault(p, []).append(i)
+        accepted, bonus = cls._greedy(tree, children, picks)
+        tokens = [tree.tokens[a] for a in accepted] + [bonus]
+        return Verdict(accepted, tokens, [None] * len(tokens))
+
     @staticmethod
     def _paths(tree: DraftTree) -> list[list[int]]:
         """Tokens from the root to each node, inclusive."""
