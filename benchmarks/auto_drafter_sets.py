@@ -5,7 +5,8 @@ every other group. A variant is `none`, a --spec method, or `auto` with drafters
 or left out: `auto+recycling` (auto as it was before session 30), `auto-ngram`; `:secant` after
 any of them takes the controller's pass over every count of nodes out (`GoodputController.
 _by_threshold`, session 30: the secant alone); `:learn-drafting-only` has the step-cost model taught
-only by steps that asked the drafters (before session 31).
+only by steps that asked the drafters (before session 31); `:name=value` sets a speculative config
+field (`auto:latency_slack=0.1`).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
@@ -54,7 +55,9 @@ def main() -> None:
     def build(variant: str) -> Any:
         variant, drafting_only, _ = variant.partition(":learn-drafting-only")
         variant, secant, _ = variant.partition(":secant")
-        llm = build_one(variant)
+        variant, *settings = variant.split(":")
+        fields = {k: float(v) for k, v in (s.split("=") for s in settings)}
+        llm = build_one(variant, fields)
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
         if drafting_only:
@@ -63,17 +66,17 @@ def main() -> None:
             learn_drafting_only(llm.engine.core.speculator)
         return llm
 
-    def build_one(variant: str) -> Any:
+    def build_one(variant: str, fields: dict[str, float]) -> Any:
         if variant == "none":
             return LLM(speculative=None, **kw)
         if not variant.startswith("auto"):
-            return LLM(speculative=dict(method=variant, draft_model=a.draft if variant == "draft-model" else None), **kw)
+            return LLM(speculative=dict(method=variant, draft_model=a.draft if variant == "draft-model" else None, **fields), **kw)
         drafters = list(full)
         for sign, name in re.findall(r"([+-])([a-z-]+?)(?=[+-]|$)", variant[4:]):
             drafters = [d for d in drafters if d != name] + ([name] if sign == "+" else [])
         spec_config.AUTO_METHODS = tuple(drafters)
         try:  # read when the engine builds its drafters
-            return LLM(speculative=dict(method="auto", draft_model=a.draft), **kw)
+            return LLM(speculative=dict(method="auto", draft_model=a.draft, **fields), **kw)
         finally:
             spec_config.AUTO_METHODS = full
 
