@@ -206,6 +206,22 @@ def test_suffix_trie_counts_every_window():
         assert trie_counts(trie) == Counter() and trie.root.children == {}
 
 
+def test_suffix_trie_continues_exactly_where_it_has_children():
+    # Protects: the match's check that a suffix occurred with a continuation (`continues`, which does
+    # not list them) says what `children` says, at every pattern found, compressed nodes included.
+    rng = random.Random(5)
+    for _ in range(40):
+        depth = rng.randrange(1, 7)
+        trie = SuffixTrie(depth)
+        for _ in range(3):
+            trie.add(tuple(rng.randrange(3) for _ in range(rng.randrange(0, 20))))
+        for _ in range(30):
+            pattern = [rng.randrange(3) for _ in range(rng.randrange(0, depth + 1))]
+            cur = trie.find(pattern)
+            if cur is not None:
+                assert trie.continues(cur, len(pattern)) == bool(trie.children(cur, len(pattern)))
+
+
 # ---------------------------------------------------------------- suffix drafter
 
 

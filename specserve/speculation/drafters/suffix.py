@@ -201,6 +201,14 @@ class SuffixTrie:
         kids_list = self.children(cur, depth)
         return sum(count for _, count, _ in kids_list), kids_list
 
+    def continues(self, cur: Cursor, depth: int) -> bool:
+        """Whether `cur` (at `depth`) has any continuation: `children` without listing them (a node
+        after a common token in the global index has thousands)."""
+        if isinstance(cur, _Node):
+            return bool(cur.children)
+        seq, end = cur
+        return depth < self.depth and end + 1 < len(seq)
+
     def children(self, cur: Cursor, depth: int) -> list[tuple[int, int, Cursor]]:
         """(token, count, cursor) of each continuation of `cur` (at `depth`), in first-seen order."""
         if isinstance(cur, _Node):
@@ -380,7 +388,7 @@ class SuffixDrafter(Drafter):
         while lo < hi:
             mid = (lo + hi + 1) // 2
             cur = trie.find(tokens[len(tokens) - mid :])
-            if cur is not None and trie.children(cur, mid):
+            if cur is not None and trie.continues(cur, mid):
                 lo, match = mid, cur
             else:
                 hi = mid - 1
