@@ -53,6 +53,26 @@ def test_drafts_that_lose_are_switched_off_and_probed_ever_more_rarely() -> None
     assert stats.turned_off == 1 and stats.probes == len(probes) and stats.buckets_off == 1
 
 
+def test_quiet_says_exactly_which_steps_modes_would_keep_plain_for_every_drafter() -> None:
+    """`quiet(shape, drafters, n)` is True only where `modes` at step n says PLAIN for every drafter
+    because each is off with no probe due (not at a control step of drafts that pay, nor at a shape
+    or drafter the guard has not seen)."""
+    guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16, probe_max=128))
+    assert not guard.quiet(KEY, ["d"], 0)
+    for n in range(300):
+        quiet = guard.quiet(KEY, ["d"], n)
+        mode = guard.modes(KEY, ["d"], n)["d"]
+        assert not quiet or mode is Mode.PLAIN, n
+        assert quiet == (mode is Mode.PLAIN and guard._buckets[(*KEY, "d")].off), n
+        drafted = mode is not Mode.PLAIN
+        tokens = 12 if drafted else 8
+        guard.record_step(KEY, {"d": mode}, n, {"d"} if drafted else set(), tokens * (0.012 if drafted else 0.010), tokens, 8)
+    assert not guard.quiet(KEY, ["d", "other"], 300) and not guard.quiet(GoodputGuard.key(4, 400), ["d"], 300)
+    paying = GoodputGuard(GuardConfig(min_steps=3))
+    run(paying, 100, 0, plain_spt=0.010, drafted_spt=0.006)
+    assert not any(paying.quiet(KEY, ["d"], n) for n in range(100, 200))
+
+
 def test_a_probe_that_pays_turns_drafting_back_on() -> None:
     guard = GoodputGuard(GuardConfig(min_steps=3, probe_after=16))
     run(guard, 30, 0, plain_spt=0.010, drafted_spt=0.012)
@@ -555,6 +575,36 @@ def test_the_guard_turns_garbage_drafts_off_and_good_ones_back_on(tiny_llama: Pa
     # to 249 steps against 256 plain in repeated runs here, so not asserted.
     assert after.guard_probes > stats.guard_probes and after.accepted > stats.accepted
     assert speculator.guard.stats().turned_on >= 1
+
+
+def test_where_every_drafter_is_off_the_engine_offers_no_decodes_until_a_probe_is_due(tiny_llama: Path) -> None:
+    """Once the guard has every drafter off at the batch's shape, the steps until its next probe
+    reserve no draft slots and offer the speculator no decodes (`Speculator._next_quiet`); the
+    probes still come, and the outputs are plain decoding's. Counted: steps whose decodes were
+    offered against all steps (without the quiet steps, every step offers its decodes)."""
+    prompts = random_prompts(8, seed=41)
+    greedy = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama), max_num_seqs=8).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative="auto", max_num_seqs=8)
+    speculator = llm.engine.speculator
+    speculator.guard = GoodputGuard(GuardConfig(probe_max=64))
+    unused = next(t for t in range(256) if all(t not in p for p in plain))
+    speculator.drafters = {name: Garbage(unused) for name in speculator.drafters}
+    core = llm.engine.core
+    decodes = core._decodes
+    offered = [0]
+
+    def counting(batch):
+        out = decodes(batch)
+        offered[0] += bool(out)
+        return out
+
+    core._decodes = counting  # type: ignore[method-assign]
+    steps = counted_steps(llm)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    stats = speculator.guard.stats()
+    assert stats.turned_off >= 1 and stats.probes >= 2
+    assert offered[0] <= 0.25 * steps[0], (offered[0], steps[0])
 
 
 def test_replay_judges_a_tree_by_the_emitted_tokens() -> None:

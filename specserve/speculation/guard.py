@@ -207,6 +207,17 @@ class GoodputGuard:
                     said[name] = Mode.PROBE
         return said
 
+    def quiet(self, shape: tuple[int, int], drafters: list[str], step_no: int) -> bool:
+        """Whether a decode-only step of `shape` at `step_no` would be plain for every drafter without
+        asking `modes`: each has a bucket here, off, with no probe under way or due. (`modes` may
+        still turn up a probe at once when the requests change; the speculator asks this only after
+        a decode-only step, before which no request can have come in.)"""
+        for name in drafters:
+            b = self._buckets.get((*shape, name))
+            if b is None or not b.off or ((step_no >= b.next_probe or b.probed) and b.plain.steps):
+                return False
+        return bool(drafters)
+
     def off(self, shape: tuple[int, int], drafters: list[str]) -> set[str]:
         """The drafters whose drafts lost at `shape` (`key` of a step's decodes) and are off there
         (a shape not seen yet: as its nearest context bucket), read without recording anything: for

@@ -254,6 +254,7 @@ class Speculator:
         self._used_at: dict[str, int] = {}  # drafter -> the last step that verified one of its trees
         self._forced = (9.0, 10.0)  # grammar-forced nodes accepted, tried (decayed; a prior of 9 in 10)
         self._calibration = Calibration()  # each drafter's values discounted by how its verified trees fared
+        self._quiet = False  # the next step is sure to be plain (`cap`): no drafts to make room for
 
     @property
     def enabled(self) -> bool:
@@ -262,7 +263,9 @@ class Speculator:
     def cap(self, tokens_left: int) -> int:
         """The most draft nodes a decoding request with `tokens_left` to generate may be given:
         the bonus token comes on top of the drafts, so at most tokens_left - 1."""
-        return max(0, min(self.max_tokens, tokens_left - 1)) if self.enabled else 0
+        if not self.enabled or self._quiet:
+            return 0
+        return max(0, min(self.max_tokens, tokens_left - 1))
 
     # -- propose -------------------------------------------------------------------------------
     def propose(self, decodes: list[Decode], base: StepShape, sampling_rows: int,
@@ -272,9 +275,9 @@ class Speculator:
         requests waiting for room in the batch (the guard values a step's tokens by it)."""
         self._step = _Step(shape=base, rows={d.index: _Row(view=d.request.view) for d in decodes})
         self._open = True
-        if self.enabled and decodes:
+        if self.enabled and (decodes or self._quiet):  # quiet: no decodes offered, but the step is measured as any
             self._step.plain_seconds = self.controller.predict(base)
-            self._step.token_seconds = self._token_seconds(decodes, base, sampling_rows)
+            self._step.token_seconds = self._token_seconds(decodes, base, sampling_rows) if decodes else None
         self._active = dict(self.drafters)  # a switch-off mid-step takes effect next step
         if self.enabled and self.guard is not None:
             if base.tokens == sampling_rows:  # decode-only
@@ -862,8 +865,23 @@ class Speculator:
         except Exception:  # noqa: BLE001 - the step's tokens are out already; learning is optional
             logger.exception("speculation failed while learning from a step")
         self._step_no += 1
+        self._quiet = self._next_quiet(step)
         for request_id, view in step.finished:
             self._finish_now(request_id, view)
+
+    def _next_quiet(self, step: _Step) -> bool:
+        """Whether the next step is sure to be plain: this one decoded only, and at its shape the
+        guard has every drafter off with no probe due (`GoodputGuard.quiet`). Then the scheduler
+        reserves no draft slots and the engine offers no decodes: where drafts lose, a plain step
+        under `auto` cost ~220 us more than under `--spec none` at batch 8 on the bundled model
+        (reserving and trimming slots, the decodes' views, their rows here: ~80 us of it; BENCHMARKS.md,
+        session 33). A request joining comes with a prefill chunk, a step after which this says no:
+        the guard sees the new requests (its probes come sooner when the requests drafts lost with
+        have left). If the next step's shape differs (a request finished), it may lose one step's
+        drafts."""
+        if not self.enabled or self.guard is None or step.guard is None:
+            return False
+        return self.guard.quiet(step.guard[0], list(self.drafters), self._step_no)
 
     def _learn(self, step: _Step, seconds: float) -> None:
         """What the step teaches: the acceptance records and the drafters (from the trees verified),
