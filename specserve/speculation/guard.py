@@ -208,10 +208,11 @@ class GoodputGuard:
         return said
 
     def quiet(self, shape: tuple[int, int], drafters: list[str], step_no: int) -> bool:
-        """Whether a decode-only step of `shape` at `step_no` would be plain for every drafter without
-        asking `modes`: each has a bucket here, off, with no probe under way or due. (`modes` may
-        still turn up a probe at once when the requests change; the speculator asks this only after
-        a decode-only step, before which no request can have come in.)"""
+        """Whether a decode-only step of `shape` at `step_no` would be plain for every drafter, read
+        without recording anything: each has a bucket here, off, with no probe under way or due.
+        (`modes` may still call a probe at once where the requests drafts lost with have left; new
+        requests come with a prefill chunk, and the speculator asks this only after a step without
+        one.)"""
         for name in drafters:
             b = self._buckets.get((*shape, name))
             if b is None or not b.off or ((step_no >= b.next_probe or b.probed) and b.plain.steps):
