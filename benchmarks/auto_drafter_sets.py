@@ -6,7 +6,8 @@ or left out: `auto+recycling` (auto as it was before session 30), `auto-ngram`; 
 any of them takes the controller's pass over every count of nodes out (`GoodputController.
 _by_threshold`, session 30: the secant alone); `:learn-drafting-only` has the step-cost model taught
 only by steps that asked the drafters (before session 31); `:name=value` sets a speculative config
-field (`auto:latency_slack=0.1`).
+field (`auto:latency_slack=0.1`), `:speculator.NAME=value` a Speculator class setting on that
+engine (`auto:speculator.WORTH_SHARE=0.5`).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
@@ -56,8 +57,12 @@ def main() -> None:
         variant, drafting_only, _ = variant.partition(":learn-drafting-only")
         variant, secant, _ = variant.partition(":secant")
         variant, *settings = variant.split(":")
-        fields = {k: float(v) for k, v in (s.split("=") for s in settings)}
+        pairs = [s.split("=") for s in settings]
+        fields = {k: float(v) for k, v in pairs if not k.startswith("speculator.")}
         llm = build_one(variant, fields)
+        for k, v in pairs:  # a speculator's class setting on this engine alone
+            if k.startswith("speculator."):
+                setattr(llm.engine.core.speculator, k.removeprefix("speculator."), type(getattr(llm.engine.core.speculator, k.removeprefix("speculator.")))(float(v)))
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
         if drafting_only:
