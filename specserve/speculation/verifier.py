@@ -85,9 +85,7 @@ class Verifier:
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             return failed(error)
-        children: dict[int, list[int]] = {}
-        for i, p in enumerate(tree.parents):
-            children.setdefault(p, []).append(i)
+        children = self._children(tree)
         if picks is not None:
             accepted, bonus = self._greedy(tree, children, picks)
         elif params.seed is not None:
@@ -113,12 +111,17 @@ class Verifier:
     def greedy_verdict(cls, tree: DraftTree, picks: list[int]) -> Verdict:
         """The verdict of `verify` for a request whose every row's pick is its raw argmax
         (`sampler.argmax_only`), given those argmaxes (`picks`, one a row, all finite)."""
+        accepted, bonus = cls._greedy(tree, cls._children(tree), picks)
+        tokens = [tree.tokens[a] for a in accepted] + [bonus]
+        return Verdict(accepted, tokens, [None] * len(tokens))
+
+    @staticmethod
+    def _children(tree: DraftTree) -> dict[int, list[int]]:
+        """Each node's children (-1: the root's), in the drafter's order of preference."""
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
             children.setdefault(p, []).append(i)
-        accepted, bonus = cls._greedy(tree, children, picks)
-        tokens = [tree.tokens[a] for a in accepted] + [bonus]
-        return Verdict(accepted, tokens, [None] * len(tokens))
+        return children
 
     @staticmethod
     def _paths(tree: DraftTree) -> list[list[int]]:
