@@ -339,8 +339,6 @@ class StepCostModel:
     within +0.9% (0.105), at batch 8 +5.3% -> +1.3%, HumanEval batch 4 +3.4% -> +0.1% (replayed on
     the same logged steps: benchmarks/cost_model_replay.py, BENCHMARKS.md, session 31)."""
 
-    N = 4  # weights: overhead, forward's scale, per tree, attention's scale
-
     def __init__(self, profile: ForwardProfile, forgetting: float = 0.99, per_attended: float = 0.0,
                  per_context: float | None = None) -> None:
         self.profile = profile
@@ -349,7 +347,7 @@ class StepCostModel:
         self.context = self.attention if per_context is None else max(per_context, 0.0)  # c: cold (every request's row)
         # Plain floats, not numpy: every step updates the model, and right after a forward numpy's
         # dozen calls on small vectors took ~80 us (the same arithmetic in floats, ~10).
-        self.w = [0.0, 1.0, 0.0, 1.0]
+        self.w = [0.0, 1.0, 0.0, 1.0]  # overhead, forward's scale, per tree, attention's scale
         one = profile(1)
         # Prior spreads in units of the measurement noise (about 5% of a one-token step): the
         # probes' scales are trusted to within half, the other terms may be up to a step's size.
