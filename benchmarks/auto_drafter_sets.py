@@ -60,9 +60,11 @@ def main() -> None:
         pairs = [s.split("=") for s in settings]
         fields = {k: float(v) for k, v in pairs if not k.startswith("speculator.")}
         llm = build_one(variant, fields)
-        for k, v in pairs:  # a speculator's class setting on this engine alone
+        speculator = llm.engine.core.speculator
+        for k, v in pairs:  # a Speculator class setting, on this engine alone, in the setting's type
             if k.startswith("speculator."):
-                setattr(llm.engine.core.speculator, k.removeprefix("speculator."), type(getattr(llm.engine.core.speculator, k.removeprefix("speculator.")))(float(v)))
+                name = k.removeprefix("speculator.")
+                setattr(speculator, name, type(getattr(speculator, name))(float(v)))
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
         if drafting_only:
