@@ -583,8 +583,9 @@ def test_auto_runs_a_k_quant_file_on_its_blocks_and_gguf_needs_a_gguf(files: dic
 @pytest.mark.parametrize("layout", ["file"], indirect=True)
 def test_weights_stay_in_the_files_mapping(files: dict[str, Path], layout: str) -> None:
     """On the file's blocks the kernels read the file's bytes where the mapping holds them: no
-    projection, head or embedding is copied (a Qwen2 file needs no row reordering)."""
-    llm = LLM(str(files["qwen2"]))
+    projection, head or embedding is copied (a Qwen2 file needs no row reordering). (With huge
+    pages, the default, everything is then copied once more, into 2 MB pages: test_huge_pages.)"""
+    llm = LLM(str(files["qwen2"]), huge_pages=False)
     g = GGUFFile(files["qwen2"])
     model = llm.engine.model
     base = model.embed_tokens.blocks.data_ptr() - g.tensor("token_embd.weight").offset
@@ -599,8 +600,9 @@ def test_weights_stay_in_the_files_mapping(files: dict[str, Path], layout: str) 
 @pytest.mark.parametrize("layout", ["x8", "x16"], indirect=True)
 def test_packed_projections_hold_the_files_numbers(files: dict[str, Path], layout: str) -> None:
     """Packed, a projection's parts of a type the layout packs (Q4_K; Q6_K too in x16) are copies in
-    the packed layout that dequantize to the file's values; its other parts stay views of the mapping."""
-    llm = LLM(str(files["qwen2"]))
+    the packed layout that dequantize to the file's values; its other parts stay views of the mapping
+    (until huge pages, the default, copy them: test_huge_pages)."""
+    llm = LLM(str(files["qwen2"]), huge_pages=False)
     g = GGUFFile(files["qwen2"])
     model = llm.engine.model
     base = model.embed_tokens.blocks.data_ptr() - g.tensor("token_embd.weight").offset  # the engine's mapping

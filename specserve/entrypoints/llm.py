@@ -22,6 +22,7 @@ from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from specserve.model.drafts import draft_for, models_dir
 from specserve.model.gguf_file import GGUFFile
 from specserve.model.gguf_model import gguf_config, gguf_tokenizer_dir, install_gguf_weights, rope_freq_factors
+from specserve.model.huge_pages import into_huge_pages
 from specserve.model.loader import (DEFAULT_MODEL, gguf_behind, gguf_int4_source, load_model_files,
                                     resolve_quantization)
 from specserve.model.quant import prepare_linears
@@ -38,18 +39,20 @@ logger = logging.getLogger("specserve")
 
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
-    quantization: str = "none", gguf_q4_0: bool = False, head_vocab: int | None = None,
+    quantization: str = "none", gguf_q4_0: bool = False, head_vocab: int | None = None, huge_pages: bool = True,
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped; `gguf_q4_0`: a GGUF run on its own
     blocks has its wider projections rounded to Q4_0, for a draft model; `head_vocab`: the LM head
     reads out only the first that many token ids and the tokenizer's special tokens, for a draft
-    model: LlamaForCausalLM.read_out_vocabulary); returns (model, tokenizer or None, max_model_len,
-    the precision the weights run in)."""
+    model: LlamaForCausalLM.read_out_vocabulary; `huge_pages`: the weights moved into 2 MB pages,
+    specserve.model.huge_pages); returns (model, tokenizer or None, max_model_len, the precision the
+    weights run in)."""
     if load_format != "dummy":
         gguf_path = gguf_behind(model, load_format)
         if resolve_quantization(quantization, gguf_path, device) == "gguf":
-            return _build_gguf_model(gguf_path, dtype, max_model_len, gguf_q4_0, head_vocab)  # type: ignore[arg-type]
+            return _build_gguf_model(gguf_path, dtype, max_model_len, gguf_q4_0, head_vocab,  # type: ignore[arg-type]
+                                     huge_pages)
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = _check_limit(max_model_len, cfg)
@@ -79,6 +82,8 @@ def build_model(
     chosen = prepare_linears(net, precision, tuner.choose, source)
     logger.info("%s: %s weights; kernels: %s", model, precision,
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()))
+    if huge_pages:
+        _into_huge_pages(net)
     _return_freed_memory()
     return net, tokenizer, limit, precision
 
@@ -101,7 +106,8 @@ def _read_out_vocabulary(net: LlamaForCausalLM, tokenizer: Any, head_vocab: int 
 
 
 def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
-                      q4_0: bool = False, head_vocab: int | None = None) -> tuple[LlamaForCausalLM, Any, int, str]:
+                      q4_0: bool = False, head_vocab: int | None = None,
+                      huge_pages: bool = True) -> tuple[LlamaForCausalLM, Any, int, str]:
     """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU;
     `q4_0`: its wider projections rounded to Q4_0 (a draft model's); `head_vocab`: build_model's."""
     if dtype != torch.float32:
@@ -123,12 +129,25 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
     _read_out_vocabulary(net, tokenizer, head_vocab, str(path))
     net.rope = RotaryEmbedding(cfg.head_dim, limit, cfg.rope_theta, cfg.rope_scaling, rope_freq_factors(g))
     net.eval()
+    if huge_pages and _into_huge_pages(net):  # nothing reads the file's pages any more
+        for name in g.tensors:
+            g.release(name)
     logger.info("%s: weights in the file's blocks (%s); kernels: %s; prefetch %s; loaded in %.1f s", path.name,
                 ", ".join(f"{n} x{c}" for n, c in Counter(t.type_name for t in g.tensors.values()).items()),
                 ", ".join(f"{c} x{n}" for c, n in Counter(chosen.values()).items()), prefetch,
                 time.perf_counter() - start)
     _return_freed_memory()
     return net, tokenizer, limit, "gguf"
+
+
+def _into_huge_pages(net: LlamaForCausalLM) -> int:
+    """The weights moved into 2 MB pages (specserve.model.huge_pages); the bytes moved."""
+    start = time.perf_counter()
+    moved = into_huge_pages(net)
+    if moved:
+        net.kernels_changed()
+        logger.info("weights: %.0f MB moved into 2 MB pages in %.2f s", moved / 2**20, time.perf_counter() - start)
+    return moved
 
 
 def _freeze_the_imports() -> None:
@@ -206,7 +225,8 @@ class LLM:
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
-                                                       args.max_model_len, args.seed, args.quantization)
+                                                       args.max_model_len, args.seed, args.quantization,
+                                                       huge_pages=args.huge_pages)
         config = args.engine_config(net.config, limit, precision)
         spec = with_model_defaults(_found_draft(args.speculative, args.model, args.load_format), args.model)
         self.engine = LLMEngine(config, net, tokenizer, spec, draft_builder=self._build_draft)
@@ -223,7 +243,8 @@ class LLM:
         LM head cut to `vocab`: SpeculativeConfig.draft_vocab)."""
         a = self.args
         model, tokenizer, _, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
-                                             a.quantization, gguf_q4_0=quantization == "q4_0", head_vocab=vocab)
+                                             a.quantization, gguf_q4_0=quantization == "q4_0", head_vocab=vocab,
+                                             huge_pages=a.huge_pages)
         return model, tokenizer
 
     @property

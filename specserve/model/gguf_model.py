@@ -121,6 +121,11 @@ class GGUFEmbedding(nn.Module):
         self.embedding_dim = dim
         self.num_embeddings = blocks.shape[0]
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "GGUFEmbedding":
+        """As nn.Module's, over the blocks too (an attribute, not a buffer: see GGUFLinearKernel._apply)."""
+        self.blocks = fn(self.blocks)
+        return super()._apply(fn, recurse)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.specserve.gguf_embedding(ids, self.blocks, self.type_id, self.embedding_dim)
 

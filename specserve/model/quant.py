@@ -330,6 +330,12 @@ class GGUFLinearKernel(nn.Module):
         self.in_features = _gguf_cols(parts[0], types[0])
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "GGUFLinearKernel":
+        """As nn.Module's, over the parts too (they are a list, not buffers): a model moved to
+        other memory (`specserve.model.huge_pages`) takes its GGUF weights along."""
+        self.parts = [fn(p) for p in self.parts]
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:
             return torch.ops.specserve.gguf_linear(x, self.parts, self.types, self.bias, self._isa_id,

@@ -1,0 +1,133 @@
+"""Weights moved into 2 MB pages at load (specserve.model.huge_pages): the model computes exactly
+what it computed where its weights loaded, every weight lies in the one mapping advised
+MADV_HUGEPAGE, and what was shared (a tied head, views of one tensor) stays shared, not copied twice."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.engine_args import EngineArgs
+from specserve.model import huge_pages
+from specserve.model.forward import ForwardItem
+from specserve.model.huge_pages import huge_pages_available, into_huge_pages, weights
+
+from conftest import random_prompts
+from gguf_fixtures import write_model
+
+needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages on this system")
+
+
+def _mapping_of(address: int) -> tuple[int, int, frozenset[str]]:
+    """(start, end, VmFlags) of this process's mapping that holds `address`."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                found = (start, end) if start <= address < end else None
+            elif found is not None and line.startswith("VmFlags:"):
+                return found[0], found[1], frozenset(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("huge")
+    return {"gguf-qwen2": write_model(d / "qwen2.gguf", "qwen2"),
+            "gguf-llama-tied": write_model(d / "llama.gguf", "llama", tie=True, seed=1)}
+
+
+@needs_thp
+@pytest.mark.parametrize("name", ["gguf-qwen2", "gguf-llama-tied", "safetensors-llama"])
+def test_weights_in_huge_pages_compute_what_they_computed_where_they_loaded(
+    files: dict[str, Path], tiny_llama: Path, name: str
+) -> None:
+    path = str(tiny_llama if name == "safetensors-llama" else files[name])
+    moved, kept = LLM(path, huge_pages=True), LLM(path, huge_pages=False)
+    arena = {_mapping_of(t.data_ptr())[:2] for t in weights(moved.engine.model) if t.numel()}
+    assert len(arena) == 1 and not {_mapping_of(t.data_ptr())[:2] for t in weights(kept.engine.model) if t.numel()} & arena
+    vocab = moved.engine.model.config.vocab_size
+    prompt = random_prompts(1, seed=3, low=40, high=41, vocab=min(vocab, 259))[0]
+    logits = []
+    for llm in (moved, kept):
+        with torch.inference_mode():
+            logits.append(llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits)
+    assert torch.equal(*logits)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = random_prompts(3, seed=4, vocab=min(vocab, 259))
+    assert ([o.token_ids for o in moved.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in kept.generate(prompts, params, use_tqdm=False)])
+
+
+@needs_thp
+def test_every_weight_lies_in_one_mapping_advised_for_huge_pages(files: dict[str, Path]) -> None:
+    model = LLM(str(files["gguf-qwen2"])).engine.model  # huge pages: the default
+    tensors = [t for t in weights(model) if t.numel()]
+    assert {type(m).__name__ for m in model.modules()} >= {"GGUFLinearKernel", "GGUFEmbedding"}
+    assert model.embed_tokens.blocks.data_ptr() in {t.data_ptr() for t in tensors}  # the kernels' own tensors are met
+    regions = {_mapping_of(t.data_ptr()) for t in tensors}
+    assert len(regions) == 1, regions
+    start, end, flags = regions.pop()
+    assert "hg" in flags  # MADV_HUGEPAGE
+    assert all(start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end for t in tensors)
+
+
+class _Shared(nn.Module):
+    """A head tied to an embedding, a buffer that is a view of a parameter, a GGUF-style list of parts
+    that are views of one tensor, and a small norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(300, 64)
+        self.head = nn.Linear(64, 300, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("rows", self.embed.weight.detach()[10:20])
+        whole = torch.arange(4096 * 3, dtype=torch.uint8).reshape(4096, 3)
+        self.parts = [whole[:1000], whole[1000:]]
+        self.norm = nn.Parameter(torch.ones(64))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self.parts = [fn(p) for p in self.parts]
+        return super()._apply(fn, recurse)
+
+
+@needs_thp
+def test_what_was_shared_stays_shared_and_is_copied_once() -> None:
+    m = _Shared()
+    before = {n: t.clone() for n, t in [("embed", m.embed.weight.detach()), ("rows", m.rows), ("norm", m.norm.detach()),
+                                        ("part0", m.parts[0]), ("part1", m.parts[1])]}
+    moved = into_huge_pages(m)
+    assert moved >= 300 * 64 * 4 + 4096 * 3 + 64 * 4 and moved < 300 * 64 * 4 + 4096 * 3 + 64 * 4 + 3 * 64  # once each
+    assert m.head.weight is m.embed.weight and isinstance(m.embed.weight, nn.Parameter)
+    assert m.rows.data_ptr() == m.embed.weight.data_ptr() + 10 * 64 * 4  # still a view of the embedding
+    assert m.parts[1].data_ptr() == m.parts[0].data_ptr() + 1000 * 3  # still views of one tensor
+    after = {"embed": m.embed.weight.detach(), "rows": m.rows, "norm": m.norm.detach(), "part0": m.parts[0],
+             "part1": m.parts[1]}
+    for name, t in before.items():
+        assert torch.equal(after[name], t), name
+    start, end, flags = _mapping_of(m.embed.weight.data_ptr())
+    assert "hg" in flags and all(start <= t.data_ptr() < end for t in after.values())
+
+
+def test_where_the_system_has_huge_pages_off_nothing_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "_THP_SETTING", setting)
+    m = _Shared()
+    where = [t.data_ptr() for t in weights(m)]
+    assert not huge_pages_available() and into_huge_pages(m) == 0
+    assert [t.data_ptr() for t in weights(m)] == where
+
+
+def test_no_huge_pages_on_the_command_line_keeps_the_weights_where_they_load() -> None:
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli(p.parse_args([])).huge_pages
+    assert not EngineArgs.from_cli(p.parse_args(["--no-huge-pages"])).huge_pages
