@@ -7,7 +7,8 @@ any of them takes the controller's pass over every count of nodes out (`GoodputC
 _by_threshold`, session 30: the secant alone); `:learn-drafting-only` has the step-cost model taught
 only by steps that asked the drafters (before session 31); `:name=value` sets a speculative config
 field (`auto:latency_slack=0.1`), `:speculator.NAME=value` a Speculator class setting on that
-engine (`auto:speculator.WORTH_SHARE=0.5`).
+engine (`auto:speculator.WORTH_SHARE=0.5`), `:engine.NAME=value` an EngineArgs field
+(`none:engine.huge_pages=0`).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
@@ -47,6 +48,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     import specserve.speculation.config as spec_config
     from specserve import LLM, SamplingParams
+    from specserve.entrypoints.engine_args import EngineArgs
     from specserve.bench.spec import load_questions, open_dataset
     from specserve.tokenizer import apply_chat_template
 
@@ -58,8 +60,11 @@ def main() -> None:
         variant, secant, _ = variant.partition(":secant")
         variant, *settings = variant.split(":")
         pairs = [s.split("=") for s in settings]
-        fields = {k: float(v) for k, v in pairs if not k.startswith("speculator.")}
-        llm = build_one(variant, fields)
+        fields = {k: float(v) for k, v in pairs if not k.startswith(("speculator.", "engine."))}
+        defaults = EngineArgs()
+        engine = {k.removeprefix("engine."): type(getattr(defaults, k.removeprefix("engine.")))(float(v))
+                  for k, v in pairs if k.startswith("engine.")}
+        llm = build_one(variant, fields, engine)
         speculator = llm.engine.core.speculator
         for k, v in pairs:  # a Speculator class setting, on this engine alone, in the setting's type
             if k.startswith("speculator."):
@@ -73,17 +78,18 @@ def main() -> None:
             learn_drafting_only(llm.engine.core.speculator)
         return llm
 
-    def build_one(variant: str, fields: dict[str, float]) -> Any:
+    def build_one(variant: str, fields: dict[str, float], engine: dict[str, Any]) -> Any:
         if variant == "none":
-            return LLM(speculative=None, **kw)
+            return LLM(speculative=None, **kw, **engine)
         if not variant.startswith("auto"):
-            return LLM(speculative=dict(method=variant, draft_model=a.draft if variant == "draft-model" else None, **fields), **kw)
+            return LLM(speculative=dict(method=variant, draft_model=a.draft if variant == "draft-model" else None, **fields),
+                       **kw, **engine)
         drafters = list(full)
         for sign, name in re.findall(r"([+-])([a-z-]+?)(?=[+-]|$)", variant[4:]):
             drafters = [d for d in drafters if d != name] + ([name] if sign == "+" else [])
         spec_config.AUTO_METHODS = tuple(drafters)
         try:  # read when the engine builds its drafters
-            return LLM(speculative=dict(method="auto", draft_model=a.draft, **fields), **kw)
+            return LLM(speculative=dict(method="auto", draft_model=a.draft, **fields), **kw, **engine)
         finally:
             spec_config.AUTO_METHODS = full
 
