@@ -131,3 +131,23 @@ def test_no_huge_pages_on_the_command_line_keeps_the_weights_where_they_load() -
     EngineArgs.add_cli_args(p)
     assert EngineArgs.from_cli(p.parse_args([])).huge_pages
     assert not EngineArgs.from_cli(p.parse_args(["--no-huge-pages"])).huge_pages
+
+
+@needs_thp
+def test_while_weights_move_the_replaced_originals_are_garbage_each_time_memory_is_given_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`freed` (the loader's malloc_trim) is called as the move goes, and by then what was replaced
+    is unreferenced: loading does not hold the model twice until the end."""
+    import weakref
+
+    monkeypatch.setattr(huge_pages, "FREE_EVERY", 1)
+    m = nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(6)))
+    originals = [weakref.ref(layer.weight.data.untyped_storage()) for layer in m]  # type: ignore[union-attr]
+    seen: list[int] = []  # at each call, how many originals are gone
+
+    def freed() -> None:
+        seen.append(sum(r() is None for r in originals))
+
+    into_huge_pages(m, freed)
+    assert len(seen) >= 5 and seen == sorted(seen) and seen[-1] >= 5, seen

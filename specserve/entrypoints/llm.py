@@ -143,7 +143,7 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
 def _into_huge_pages(net: LlamaForCausalLM) -> int:
     """The weights moved into 2 MB pages (specserve.model.huge_pages); the bytes moved."""
     start = time.perf_counter()
-    moved = into_huge_pages(net)
+    moved = into_huge_pages(net, _return_freed_memory)
     if moved:
         net.kernels_changed()
         logger.info("weights: %.0f MB moved into 2 MB pages in %.2f s", moved / 2**20, time.perf_counter() - start)

@@ -16,7 +16,7 @@ import ctypes
 import mmap
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -96,15 +96,31 @@ def weights(model: nn.Module) -> Iterator[torch.Tensor]:
     return iter(seen)
 
 
-def into_huge_pages(model: nn.Module) -> int:
-    """Move the model's CPU weights into one `WeightArena` (see the module's docstring); returns the
-    bytes moved (0 where huge pages are not available or nothing is on the CPU)."""
+# While weights move, `freed` is called each time this many more bytes have been copied: the
+# originals replaced so far are garbage by then, and the caller can give their memory back (glibc
+# keeps freed heap memory). Loading the 1.5B then peaked at 1.8 GB resident, against 2.5 GB without
+# and 1.3 GB with the weights left in 4 KB pages (every 64 MB: 1.7 GB, but 17 trims cost 1.5 s).
+FREE_EVERY = 256 << 20
+
+
+def into_huge_pages(model: nn.Module, freed: Callable[[], None] | None = None) -> int:
+    """Move the model's CPU weights into one `WeightArena` (see the module's docstring), calling
+    `freed` every FREE_EVERY bytes; returns the bytes moved (0 where huge pages are not available or
+    nothing is on the CPU)."""
     if not huge_pages_available():
         return 0
     storages = {_storage_key(t) for t in weights(model) if _movable(t)}
     if not storages:
         return 0
     arena = WeightArena(sum(-(-n // _ALIGN) * _ALIGN for _, n in storages))
+    mark = [0]
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        if freed is not None and arena.used - mark[0] >= FREE_EVERY:
+            freed()  # the tensors replaced before this one are gone
+            mark[0] = arena.used
+        return arena.place(t)
+
     with torch.no_grad():
-        model._apply(arena.place)
+        model._apply(place)
     return arena.used
