@@ -2,8 +2,8 @@
 
 A step streams every weight once (a decode on the 1.5B model reads 1 GB). In 4 KB pages that is
 a TLB miss every 4 KB, a page walk each; in 2 MB pages, one every 2 MB. Measured on a 2-core Xeon
-(BENCHMARKS.md, session 34): plain decoding at batch 1 7-8% faster on Qwen2.5-Coder-1.5B Q4_K_M and
-4-5% on the bundled model. Where the system leaves huge pages to the program's asking
+(BENCHMARKS.md, session 34): plain decoding at batch 1 1.08-1.13x on Qwen2.5-Coder-1.5B Q4_K_M and
+1.05-1.09x on the bundled model, in one process and in fresh ones. Where the system leaves huge pages to the program's asking
 (/sys/kernel/mm/transparent_hugepage/enabled = madvise, the common default) PyTorch's allocator
 does not ask, and a GGUF file's own pages are 4 KB page-cache pages, so the weights are copied
 once, at load, into one anonymous private mapping advised MADV_HUGEPAGE (`WeightArena`), each
@@ -64,11 +64,8 @@ class WeightArena:
             self.bytes[offset:offset + n].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             self._placed[key] = offset
             self.used = offset + n
-        item = t.element_size()
-        moved = torch.empty(0, dtype=t.dtype).set_(self.bytes.untyped_storage(),
-                                                   (self.bytes.storage_offset() + offset) // item + t.storage_offset(),
-                                                   t.size(), t.stride())
-        return moved
+        start = (self.bytes.storage_offset() + offset) // t.element_size() + t.storage_offset()
+        return torch.empty(0, dtype=t.dtype).set_(self.bytes.untyped_storage(), start, t.size(), t.stride())
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
