@@ -8,7 +8,8 @@ _by_threshold`, session 30: the secant alone); `:learn-drafting-only` has the st
 only by steps that asked the drafters (before session 31); `:name=value` sets a speculative config
 field (`auto:latency_slack=0.1`), `:speculator.NAME=value` a Speculator class setting on that
 engine (`auto:speculator.WORTH_SHARE=0.5`), `:engine.NAME=value` an EngineArgs field
-(`none:engine.huge_pages=0`).
+(`none:engine.huge_pages=0`), `:guard.NAME=value` a field of the goodput guard's config for the
+lookups (`auto:guard.probe_steps=3`).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
@@ -23,6 +24,7 @@ prompts run as one continuous batch of at most B.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -60,7 +62,7 @@ def main() -> None:
         variant, secant, _ = variant.partition(":secant")
         variant, *settings = variant.split(":")
         pairs = [s.split("=") for s in settings]
-        fields = {k: float(v) for k, v in pairs if not k.startswith(("speculator.", "engine."))}
+        fields = {k: float(v) for k, v in pairs if not k.startswith(("speculator.", "engine.", "guard."))}
         defaults = EngineArgs()
         engine = {k.removeprefix("engine."): type(getattr(defaults, k.removeprefix("engine.")))(float(v))
                   for k, v in pairs if k.startswith("engine.")}
@@ -70,6 +72,11 @@ def main() -> None:
             if k.startswith("speculator."):
                 name = k.removeprefix("speculator.")
                 setattr(speculator, name, type(getattr(speculator, name))(float(v)))
+        guard = {k.removeprefix("guard."): v for k, v in pairs if k.startswith("guard.")}
+        if guard:  # the lookups' guard config (a model drafter's has its own, left as it is)
+            config = speculator.guard.config
+            speculator.guard.config = dataclasses.replace(
+                config, **{k: type(getattr(config, k))(float(v)) for k, v in guard.items()})
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
         if drafting_only:
