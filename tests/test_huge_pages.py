@@ -151,3 +151,22 @@ def test_while_weights_move_the_replaced_originals_are_garbage_each_time_memory_
 
     into_huge_pages(m, freed)
     assert len(seen) >= 5 and seen == sorted(seen) and seen[-1] >= 5, seen
+
+
+def test_a_kernel_that_refuses_the_advice_still_gets_the_weights_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    """madvise failing (an old or locked-down kernel) is not a failed load: the weights are copied,
+    in 4 KB pages, and compute as before."""
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.setattr(huge_pages, "_THP_SETTING", setting)
+
+    def refuse(*args: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages, "_advise_huge", refuse)
+    m = _Shared()
+    before = [t.clone() for t in weights(m)]
+    assert into_huge_pages(m) > 0
+    assert all(torch.equal(a, b) for a, b in zip(weights(m), before))
+    assert "hg" not in _mapping_of(m.embed.weight.data_ptr())[2]

@@ -13,6 +13,7 @@ storage once (tied weights and views of one tensor stay shared), and the origina
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("specserve.model")
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each storage starts on a cache line
@@ -45,7 +48,12 @@ class WeightArena:
         size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
         self._map = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         start = (-ctypes.addressof(ctypes.c_char.from_buffer(self._map))) % HUGE_PAGE
-        self._map.madvise(mmap.MADV_HUGEPAGE, start, size)
+        try:
+            _advise_huge(self._map, start, size)
+            self.advised = True
+        except OSError as e:  # a kernel that refuses the advice: the copy is still the weights, in 4 KB pages
+            logger.warning("weights: madvise(MADV_HUGEPAGE) refused (%s); they stay in 4 KB pages", e)
+            self.advised = False
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=start)
         self.used = 0
         self._placed: dict[tuple[int, int], int] = {}  # an original storage (address, bytes) -> its offset here
@@ -66,6 +74,10 @@ class WeightArena:
             self.used = offset + n
         start = (self.bytes.storage_offset() + offset) // t.element_size() + t.storage_offset()
         return torch.empty(0, dtype=t.dtype).set_(self.bytes.untyped_storage(), start, t.size(), t.stride())
+
+
+def _advise_huge(m: mmap.mmap, start: int, size: int) -> None:
+    m.madvise(mmap.MADV_HUGEPAGE, start, size)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
