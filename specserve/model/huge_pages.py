@@ -50,10 +50,8 @@ class WeightArena:
         start = (-ctypes.addressof(ctypes.c_char.from_buffer(self._map))) % HUGE_PAGE
         try:
             _advise_huge(self._map, start, size)
-            self.advised = True
         except OSError as e:  # a kernel that refuses the advice: the copy is still the weights, in 4 KB pages
             logger.warning("weights: madvise(MADV_HUGEPAGE) refused (%s); they stay in 4 KB pages", e)
-            self.advised = False
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=start)
         self.used = 0
         self._placed: dict[tuple[int, int], int] = {}  # an original storage (address, bytes) -> its offset here
