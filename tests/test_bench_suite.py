@@ -652,11 +652,13 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
 def test_weight_bytes_counts_every_kernel_layout() -> None:
     """The roofline's weight bytes: dense, oneDNN-blocked (no storage pointer) and quantized
     kernels are all counted, each once."""
+    import torch
     from torch import nn
 
     from specserve.bench.throughput import _weight_bytes
     from specserve.model.llama import Linear
-    from specserve.model.quant import NativeInt4Kernel, OneDnnKernel, quantize_int4
+    from specserve.model import ops
+    from specserve.model.quant import GGUFLinearKernel, NativeInt4Kernel, OneDnnKernel, quantize_int4
 
     model = nn.ModuleList([Linear(64, 32), Linear(64, 32), Linear(64, 32)])
     for m in model:
@@ -668,6 +670,11 @@ def test_weight_bytes_counts_every_kernel_layout() -> None:
         assert _weight_bytes(model) == want  # the blocked copy replaces the dense one in the count
     model[1].kernel = NativeInt4Kernel(quantize_int4(model[1].weight.detach()), None)
     assert _weight_bytes(model) < want
+    # a GGUF kernel holds its blocks in a list, not as buffers: they count too
+    blocks = torch.zeros(32, 64 // 32 * 34, dtype=torch.uint8)  # Q8_0: 34 bytes a block of 32
+    before = _weight_bytes(model)
+    model[2].kernel = GGUFLinearKernel([blocks], [8], None, ops.runnable_isas()[0])
+    assert _weight_bytes(model) == before - 32 * 64 * 4 + blocks.numel()
 
 
 def test_spec_bench_method_rows_take_their_own_draft_budget() -> None:

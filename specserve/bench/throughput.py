@@ -174,13 +174,14 @@ def write_throughput_outputs(report: BenchReport, paths: ReportPaths, batch_size
 def _weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every projection and norm, not the embedding table
     (only a few rows of it are read, unless it is tied to the LM head, which reads it all)."""
+    from specserve.model.huge_pages import weights
     from specserve.model.llama import Linear, RMSNorm
 
     seen: set[int] = set()
     total = 0
     for m in model.modules():
         if isinstance(m, Linear) and m.kernel is not None:
-            tensors = list(m.kernel.buffers())  # the weights as the kernel holds them (packed, quantized)
+            tensors = weights(m.kernel)  # as the kernel holds them (packed, quantized; a GGUF kernel's parts)
         elif isinstance(m, (Linear, RMSNorm)):
             tensors = [p for p in m.parameters(recurse=False) if p is not None]
         else:

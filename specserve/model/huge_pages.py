@@ -17,7 +17,7 @@ import logging
 import mmap
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -90,7 +90,7 @@ def _movable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.layout == torch.strided and t.untyped_storage().nbytes() > 0
 
 
-def weights(model: nn.Module) -> Iterator[torch.Tensor]:
+def weights(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor the model's modules hold: parameters, buffers, and those of modules that keep
     weights in attributes of their own (`_apply` overridden, as GGUFLinearKernel does)."""
     seen: list[torch.Tensor] = []
@@ -100,7 +100,7 @@ def weights(model: nn.Module) -> Iterator[torch.Tensor]:
         return t
 
     model._apply(collect)
-    return iter(seen)
+    return seen
 
 
 # While weights move, `freed` is called each time this many more bytes have been copied: the
