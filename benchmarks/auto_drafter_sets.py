@@ -61,22 +61,23 @@ def main() -> None:
         variant, drafting_only, _ = variant.partition(":learn-drafting-only")
         variant, secant, _ = variant.partition(":secant")
         variant, *settings = variant.split(":")
-        pairs = [s.split("=") for s in settings]
-        fields = {k: float(v) for k, v in pairs if not k.startswith(("speculator.", "engine.", "guard."))}
-        defaults = EngineArgs()
-        engine = {k.removeprefix("engine."): type(getattr(defaults, k.removeprefix("engine.")))(float(v))
-                  for k, v in pairs if k.startswith("engine.")}
-        llm = build_one(variant, fields, engine)
+        by_scope: dict[str, dict[str, str]] = {}  # "" (a speculative config field), engine, speculator, guard
+        for setting in settings:
+            key, value = setting.split("=")
+            scope, _, name = key.rpartition(".")
+            by_scope.setdefault(scope, {})[name] = value
+
+        def typed(owner: Any, scope: str) -> dict[str, Any]:  # each value in the type of its default on `owner`
+            return {k: type(getattr(owner, k))(float(v)) for k, v in by_scope.get(scope, {}).items()}
+
+        fields = {k: float(v) for k, v in by_scope.get("", {}).items()}
+        llm = build_one(variant, fields, typed(EngineArgs(), "engine"))
         speculator = llm.engine.core.speculator
-        for k, v in pairs:  # a Speculator class setting, on this engine alone, in the setting's type
-            if k.startswith("speculator."):
-                name = k.removeprefix("speculator.")
-                setattr(speculator, name, type(getattr(speculator, name))(float(v)))
-        guard = {k.removeprefix("guard."): v for k, v in pairs if k.startswith("guard.")}
-        if guard:  # the lookups' guard config (a model drafter's has its own, left as it is)
-            config = speculator.guard.config
-            speculator.guard.config = dataclasses.replace(
-                config, **{k: type(getattr(config, k))(float(v)) for k, v in guard.items()})
+        for k, v in typed(speculator, "speculator").items():  # a class setting, on this engine alone
+            setattr(speculator, k, v)
+        if "guard" in by_scope:  # the lookups' guard config (a model drafter's has its own, left as it is)
+            speculator.guard.config = dataclasses.replace(speculator.guard.config,
+                                                          **typed(speculator.guard.config, "guard"))
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
         if drafting_only:
