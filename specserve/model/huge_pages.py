@@ -3,7 +3,9 @@
 A step streams every weight once (a decode on the 1.5B model reads 1 GB). In 4 KB pages that is
 a TLB miss every 4 KB, a page walk each; in 2 MB pages, one every 2 MB. Measured on a 2-core Xeon
 (BENCHMARKS.md, session 34): plain decoding at batch 1 1.08-1.13x on Qwen2.5-Coder-1.5B Q4_K_M and
-1.05-1.09x on the bundled model, in one process and in fresh ones. Where the system leaves huge pages to the program's asking
+1.05-1.12x on the bundled model, in one process and in fresh ones. The price is the load: the
+copy's page faults take 2 MB pages, which the kernel may first have to compact memory for (the
+1.5B's move 0.4 s on a quiet machine, 2.5 s with 11 GB of page cache to compact). Where the system leaves huge pages to the program's asking
 (/sys/kernel/mm/transparent_hugepage/enabled = madvise, the common default) PyTorch's allocator
 does not ask, and a GGUF file's own pages are 4 KB page-cache pages, so the weights are copied
 once, at load, into one anonymous private mapping advised MADV_HUGEPAGE (`WeightArena`), each
