@@ -8,7 +8,7 @@ _by_threshold`, session 30: the secant alone); `:learn-drafting-only` has the st
 only by steps that asked the drafters (before session 31); `:name=value` sets a speculative config
 field (`auto:latency_slack=0.1`), `:speculator.NAME=value` a Speculator class setting on that
 engine (`auto:speculator.WORTH_SHARE=0.5`), `:engine.NAME=value` an EngineArgs field
-(`none:engine.huge_pages=0`), `:guard.NAME=value` a field of the goodput guard's config for the
+(`none:engine.huge_pages=1`), `:guard.NAME=value` a field of the goodput guard's config for the
 lookups (`auto:guard.probe_steps=3`).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto

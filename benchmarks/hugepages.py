@@ -1,5 +1,5 @@
-"""The weights in 2 MB pages (the default since session 34: specserve.model.huge_pages) against
-4 KB pages (--no-huge-pages, `LLM(huge_pages=False)`). Each process loads the model and decodes
+"""The weights in 2 MB pages (--huge-pages, `LLM(huge_pages=True)`: specserve.model.huge_pages)
+against 4 KB pages (the default). Each process loads the model and decodes
 --tokens greedy tokens at batch 1, three times; the processes alternate, the order swapped every
 other pair (4k huge, huge 4k, ...), --pairs pairs. Prints and records each process's load time,
 decode tok/s (median of its three) and the anonymous huge pages it holds. (Session 16's version

@@ -583,8 +583,8 @@ def test_auto_runs_a_k_quant_file_on_its_blocks_and_gguf_needs_a_gguf(files: dic
 @pytest.mark.parametrize("layout", ["file"], indirect=True)
 def test_weights_stay_in_the_files_mapping(files: dict[str, Path], layout: str) -> None:
     """On the file's blocks the kernels read the file's bytes where the mapping holds them: no
-    projection, head or embedding is copied (a Qwen2 file needs no row reordering). (With huge
-    pages, the default, everything is then copied once more, into 2 MB pages: test_huge_pages.)"""
+    projection, head or embedding is copied (a Qwen2 file needs no row reordering). (With
+    huge_pages, everything is then copied once more, into 2 MB pages: test_huge_pages.)"""
     llm = LLM(str(files["qwen2"]), huge_pages=False)
     g = GGUFFile(files["qwen2"])
     model = llm.engine.model
@@ -601,7 +601,7 @@ def test_weights_stay_in_the_files_mapping(files: dict[str, Path], layout: str) 
 def test_packed_projections_hold_the_files_numbers(files: dict[str, Path], layout: str) -> None:
     """Packed, a projection's parts of a type the layout packs (Q4_K; Q6_K too in x16) are copies in
     the packed layout that dequantize to the file's values; its other parts stay views of the mapping
-    (until huge pages, the default, copy them: test_huge_pages)."""
+    (unless huge_pages copies them: test_huge_pages)."""
     llm = LLM(str(files["qwen2"]), huge_pages=False)
     g = GGUFFile(files["qwen2"])
     model = llm.engine.model

@@ -68,7 +68,7 @@ def test_weights_in_huge_pages_compute_what_they_computed_where_they_loaded(
 
 @needs_thp
 def test_every_weight_lies_in_one_mapping_advised_for_huge_pages(files: dict[str, Path]) -> None:
-    model = LLM(str(files["gguf-qwen2"])).engine.model  # huge pages: the default
+    model = LLM(str(files["gguf-qwen2"]), huge_pages=True).engine.model
     tensors = [t for t in weights(model) if t.numel()]
     assert {type(m).__name__ for m in model.modules()} >= {"GGUFLinearKernel", "GGUFEmbedding"}
     assert model.embed_tokens.blocks.data_ptr() in {t.data_ptr() for t in tensors}  # the kernels' own tensors are met
@@ -126,11 +126,11 @@ def test_where_the_system_has_huge_pages_off_nothing_moves(tmp_path: Path, monke
     assert [t.data_ptr() for t in weights(m)] == where
 
 
-def test_no_huge_pages_on_the_command_line_keeps_the_weights_where_they_load() -> None:
+def test_huge_pages_are_asked_for_on_the_command_line_and_off_by_default() -> None:
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
-    assert EngineArgs.from_cli(p.parse_args([])).huge_pages
-    assert not EngineArgs.from_cli(p.parse_args(["--no-huge-pages"])).huge_pages
+    assert not EngineArgs.from_cli(p.parse_args([])).huge_pages and not EngineArgs().huge_pages
+    assert EngineArgs.from_cli(p.parse_args(["--huge-pages"])).huge_pages
 
 
 @needs_thp

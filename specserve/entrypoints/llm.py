@@ -39,7 +39,7 @@ logger = logging.getLogger("specserve")
 
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
-    quantization: str = "none", gguf_q4_0: bool = False, head_vocab: int | None = None, huge_pages: bool = True,
+    quantization: str = "none", gguf_q4_0: bool = False, head_vocab: int | None = None, huge_pages: bool = False,
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped; `gguf_q4_0`: a GGUF run on its own
@@ -107,7 +107,7 @@ def _read_out_vocabulary(net: LlamaForCausalLM, tokenizer: Any, head_vocab: int 
 
 def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
                       q4_0: bool = False, head_vocab: int | None = None,
-                      huge_pages: bool = True) -> tuple[LlamaForCausalLM, Any, int, str]:
+                      huge_pages: bool = False) -> tuple[LlamaForCausalLM, Any, int, str]:
     """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU;
     `q4_0`: its wider projections rounded to Q4_0 (a draft model's); `head_vocab`: build_model's."""
     if dtype != torch.float32:
