@@ -51,9 +51,9 @@ def test_q5_0_is_computed_as_the_q8_0_blocks_that_hold_its_numbers_exactly() -> 
     from specserve.model.gguf_file import q5_0_as_q8_0
 
     raw = random_blocks(Q.Q5_0, 24, 512, np.random.default_rng(3))
-    q8 = q5_0_as_q8_0(raw)
+    q8 = q5_0_as_q8_0(torch.from_numpy(raw), 512)
     assert q8.shape == (24, 512 // 32 * GGML_QUANT_SIZES[Q.Q8_0][1])
-    out = torch.ops.specserve.gguf_dequantize(torch.from_numpy(q8), int(Q.Q8_0), 512)
+    out = torch.ops.specserve.gguf_dequantize(q8, int(Q.Q8_0), 512)
     assert torch.equal(out, torch.from_numpy(dequantize(raw, Q.Q5_0).astype(np.float32)))
 
 
@@ -450,6 +450,31 @@ def test_a_draft_models_wider_projections_are_its_numbers_rounded_to_q4_0(qtype:
         assert out is blocks and type_id == int(qtype)
         return
     expected = quantize(dequantize(blocks.numpy(), qtype).reshape(rows, cols), Q.Q4_0)
+    assert type_id == int(Q.Q4_0) and np.array_equal(out.numpy(), expected)
+
+
+def test_q4_0_rounding_keeps_gguf_pys_choices_at_its_edges() -> None:
+    """The native rounding's bytes equal gguf-py's where the rule has choices to make: the first of
+    equal magnitudes of either sign sets the scale, a block of zeros (+0.0 or -0.0 first) keeps the
+    sign gguf-py gives its scale, values at the rounding boundaries, tiny and huge scales."""
+    from gguf.quants import quantize
+
+    from specserve.model.gguf_model import requantize_q4_0
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((12, 256)) * 0.02).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, :32] = -0.0
+    x[1, 32:64] = 0.0
+    x[1, 32] = -0.0
+    x[2, :32], x[2, 7], x[2, 3] = 0.25, 0.5, -0.5  # -0.5 comes first
+    x[3, :32] = np.linspace(-1, 1, 32, dtype=np.float32)  # the largest magnitude twice, -1 first
+    x[4, :32] = (np.arange(32, dtype=np.float32) - 16) / 16 * -8 / 8.5  # on the trunc(+8.5) boundaries
+    x[5] *= 1e-30
+    x[6] *= 1e30
+    out, type_id = requantize_q4_0(torch.from_numpy(x).view(torch.uint8), int(Q.F32), 256)
+    with np.errstate(over="ignore"):  # the 1e30 block's scale is inf in half precision, as in ggml
+        expected = quantize(x, Q.Q4_0)
     assert type_id == int(Q.Q4_0) and np.array_equal(out.numpy(), expected)
 
 

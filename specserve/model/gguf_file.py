@@ -221,7 +221,7 @@ class GGUFFile:
         own bytes (a view) for the QUANTIZED types, an exact conversion (a copy) for CONVERTED."""
         t = self.tensor(name)
         if t.type_name == "Q5_0":
-            return torch.from_numpy(q5_0_as_q8_0(self.data(name, CONVERTED).numpy())), 8  # 8: Q8_0
+            return q5_0_as_q8_0(self.data(name, CONVERTED), t.cols), 8  # 8: Q8_0
         return self.data(name, QUANTIZED), t.type_id
 
     def release(self, name: str, row0: int = 0, row1: int | None = None) -> None:
@@ -247,21 +247,11 @@ class GGUFFile:
         return torch.ops.specserve.gguf_dequantize(blocks, t.type_id, t.cols).reshape(t.shape).clone()
 
 
-def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """uint8 [rows, 22 * n] Q5_0 blocks -> uint8 [rows, 34 * n] Q8_0 blocks with the same numbers.
+def q5_0_as_q8_0(raw: torch.Tensor, cols: int) -> torch.Tensor:
+    """uint8 [rows, 22 * n] Q5_0 blocks -> uint8 [rows, 34 * n] Q8_0 blocks with the same numbers
+    (the specserve::gguf_q5_0_as_q8_0 kernel; ggml's block_q5_0: fp16 d, 32 high bits, 16 bytes of
+    low nibbles; Q8_0: fp16 d, then the 32 int8 elements)."""
+    from specserve.model import ops
 
-    Q5_0 (ggml's block_q5_0): fp16 d, 32 high bits qh (little-endian), 16 bytes of low nibbles qs;
-    element j < 16 is (qs[j] & 15 | bit j of qh << 4) - 16, element j + 16 is (qs[j] >> 4 | bit
-    j + 16 of qh << 4) - 16, each times d. Q8_0: fp16 d, then the 32 int8 elements."""
-    rows = raw.shape[0]
-    b = raw.reshape(rows, -1, 22)
-    qh = b[..., 2:6].copy().view("<u4").astype(np.uint32)  # [rows, n, 1]
-    qs = b[..., 6:22]
-    j = np.arange(16, dtype=np.uint32)
-    lo = (qs & 0x0F) | (((qh >> j) & 1) << 4).astype(np.uint8)
-    hi = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
-    out = np.empty((rows, b.shape[1], 34), dtype=np.uint8)
-    out[..., 0:2] = b[..., 0:2]
-    out[..., 2:18] = (lo.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
-    out[..., 18:34] = (hi.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
-    return out.reshape(rows, -1)
+    ops.load()
+    return torch.ops.specserve.gguf_q5_0_as_q8_0(raw.contiguous(), cols)

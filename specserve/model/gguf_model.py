@@ -32,7 +32,6 @@ logger = logging.getLogger("specserve.model")
 ARCHITECTURES = ("llama", "qwen2")
 
 _Q4_0 = 2  # ggml's type id
-_REQUANTIZE_ROWS = 8192  # rows dequantized at a time (a 151k x 896 head is 545 MB as float32)
 
 Chooser = Callable[[str, tuple[int, int], torch.dtype, dict[str, KernelFactory]], tuple[str, nn.Module]]
 
@@ -153,18 +152,15 @@ _PARTS = {
 
 
 def requantize_q4_0(blocks: torch.Tensor, type_id: int, cols: int) -> tuple[torch.Tensor, int]:
-    """A tensor's blocks rounded to Q4_0 (ggml's rule: a scale per 32 weights, as gguf-py computes it)
-    where its type stores more bits a weight than Q4_0 does; as they are otherwise."""
-    import gguf
+    """A tensor's blocks rounded to Q4_0 (ggml's rule: a scale per 32 weights, the same bytes as
+    gguf-py computes) where its type stores more bits a weight than Q4_0 does; as they are otherwise."""
+    from specserve.model import ops
 
     _, elems, size = GGML_TYPES[type_id]
     if size * 8 <= 4.5 * elems or cols % 32:
         return blocks, type_id
-    out = []
-    for r0 in range(0, blocks.shape[0], _REQUANTIZE_ROWS):
-        w = torch.ops.specserve.gguf_dequantize(blocks[r0:r0 + _REQUANTIZE_ROWS], type_id, cols)
-        out.append(torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0)))
-    return torch.cat(out), _Q4_0
+    ops.load()
+    return torch.ops.specserve.gguf_quantize_q4_0(blocks, type_id, cols), _Q4_0
 
 
 def install_gguf_weights(net: nn.Module, g: GGUFFile, cfg: ModelConfig, choose: Chooser,

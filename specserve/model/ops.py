@@ -106,6 +106,14 @@ def _register_fakes() -> None:
     def _(out, blocks, type, cols, packed_type):  # type: ignore[no-untyped-def]
         return None
 
+    @torch.library.register_fake("specserve::gguf_quantize_q4_0")
+    def _(blocks, type, cols):  # type: ignore[no-untyped-def]
+        return blocks.new_empty(blocks.shape[0], cols // 32 * 18)
+
+    @torch.library.register_fake("specserve::gguf_q5_0_as_q8_0")
+    def _(blocks, cols):  # type: ignore[no-untyped-def]
+        return blocks.new_empty(blocks.shape[0], cols // 32 * 34)
+
     @torch.library.register_fake("specserve::gguf_round_activations")
     def _(x, block):  # type: ignore[no-untyped-def]
         return torch.empty_like(x)
