@@ -23,7 +23,7 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from specserve.engine.prompt_logprobs import PromptLogprobStore
-from specserve.engine.drafting import DraftBuilder, build_speculator
+from specserve.engine.drafting import DraftBuilder, ProbeCache, build_speculator
 from specserve.engine.input_processor import InputProcessor
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence
@@ -112,7 +112,7 @@ class EngineCore:
                                  kv_dtype)
         self.runner = ModelRunner(model, kv, cache.block_size, self.device, attention)
         self.speculator: Speculator = build_speculator(self.speculative_config, config, self.runner, tokenizer,
-                                                       draft_builder)
+                                                       draft_builder, ProbeCache())
         self.prompt_logprob_store = PromptLogprobStore(cache.block_size, num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap, self._scoring_prefix)
         self.draft_totals = DraftCounters()

@@ -7,8 +7,13 @@ hands to `speculation` is only forwards, shapes and a paged-KV handle.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -17,8 +22,11 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ForwardItem, ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from specserve.engine.sequence import Sequence
+from specserve.isa import cache_root
 from specserve.model.attention import make_backend
+from specserve.model.huge_pages import weights
 from specserve.model.llama import LlamaForCausalLM
+from specserve.model.tuning import machine_key
 from specserve.sampling_params import SamplingParams
 from specserve.speculation.config import SpeculativeConfig
 from specserve.speculation.controller import (
@@ -91,9 +99,10 @@ PROBE_TRIES_SMALL = 4
 SMALL_PROBE = 17
 
 
-def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=PROBE_SIZES) -> dict[int, float]:
+def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=PROBE_SIZES,
+                  tries_small: int = PROBE_TRIES_SMALL) -> dict[int, float]:
     """Seconds of one forward by number of new tokens, measured on this machine before the first
-    request: the best of PROBE_TRIES runs each (PROBE_TRIES_SMALL up to SMALL_PROBE tokens), taken
+    request: the best of PROBE_TRIES runs each (`tries_small` up to SMALL_PROBE tokens), taken
     in rounds over the sizes (so that a slow moment of the machine weighs on one try of each size,
     not on every try of one), after an untimed round over the small sizes. Writes K/V only into
     blocks no request holds yet."""
@@ -104,9 +113,9 @@ def probe_forward(runner: ModelRunner, num_blocks: int, max_tokens: int, sizes=P
     with torch.inference_mode():
         for n in [n for n in fits if n <= SMALL_PROBE] or fits[:1]:  # warm-up
             runner.run([ForwardItem(table, 0, [0] * n)]).logits.sum().item()
-        for r in range(max(PROBE_TRIES, PROBE_TRIES_SMALL)):
+        for r in range(max(PROBE_TRIES, tries_small)):
             for n in fits:
-                if r >= (PROBE_TRIES_SMALL if n <= SMALL_PROBE else PROBE_TRIES):
+                if r >= (tries_small if n <= SMALL_PROBE else PROBE_TRIES):
                     continue
                 start = time.perf_counter()
                 out = runner.run([ForwardItem(table, 0, [0] * n)])
@@ -149,9 +158,111 @@ def probe_attention(runner: ModelRunner, num_blocks: int, context: int = 512, ro
     return hot, cold
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardCosts:
+    """What the probes measured: seconds of a forward by number of new tokens, and the seconds a new
+    token adds per token of context it attends to, read hot and cold (probe_attention)."""
+
+    seconds: dict[int, float]
+    hot: float
+    cold: float
+
+
+# A forward's cost by size belongs to the machine, the model's shapes and kernels and the cache's
+# layout, not to a run: probing it took 6.3 s of the 1.5B's start on a 2-core Xeon (a third of the
+# default's 19 s, issue 24's target being 2x llama-server's ~1.5 s). So it is kept
+# (cache_root()/forward-probes.json, under a key of all of those: `probe_key`) and, on a later start,
+# checked before it is used: CHECK_SIZES probed again (the best of CHECK_TRIES after a warm-up: 0.4 s
+# on the 1.5B), and the kept costs used only where each is within CHECK_TOLERANCE of its new
+# measurement; otherwise (a busier or changed machine, weights in other pages) everything is probed
+# again and kept anew. A check that passes keeps the lesser of the two at its sizes, so that a
+# probe taken in a slow moment heals over starts (each probe is a best-of already). What is kept
+# sets the shape of the controller's cost model; its scale is fitted online to the steps as timed.
+CHECK_SIZES = (1, 9)
+CHECK_TRIES = 2
+CHECK_TOLERANCE = 0.10
+
+
+def probe_key(runner: ModelRunner, max_tokens: int) -> str:
+    """The probes' key: the machine (CPU, flags, threads, PyTorch), the model's modules and kernels
+    (every tensor's shape and type, each kernel's variant, types and prefetch policy), the KV cache's
+    layout and attention, the largest forward, and what the probes measure."""
+    model = runner.model
+    modules = [(type(m).__name__, {a: repr(getattr(m, a)) for a in ("isa", "types", "prefetch") if hasattr(m, a)})
+               for m in model.modules()]
+    tensors = [(tuple(t.shape), str(t.dtype)) for t in weights(model)]
+    k_cache = runner.kv_cache[0][0]
+    described = {
+        "machine": machine_key(runner.device), "modules": modules, "tensors": tensors,
+        "kv": (runner.block_size, str(k_cache.dtype), tuple(k_cache.shape[1:]), len(runner.kv_cache)),
+        "attention": type(runner.attention).__name__, "max_tokens": max_tokens,
+        "probes": (PROBE_SIZES, PROBE_TRIES, PROBE_TRIES_SMALL, SMALL_PROBE),
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class ProbeCache:
+    """ForwardCosts kept by probe_key in one JSON file (written whole, merged with what other
+    processes wrote meanwhile); a file that cannot be read or written is no cache."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path if path is not None else cache_root() / "forward-probes.json"
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def recall(self, key: str) -> ForwardCosts | None:
+        entry = self._read().get(key)
+        try:
+            seconds = sorted((int(n), float(s)) for n, s in entry["seconds"].items())
+            return ForwardCosts(dict(seconds), float(entry["hot"]), float(entry["cold"]))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return None
+
+    def remember(self, key: str, costs: ForwardCosts) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            entry = {"seconds": {str(n): s for n, s in costs.seconds.items()}, "hot": costs.hot,
+                     "cold": costs.cold, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+            tmp.write_text(json.dumps({**self._read(), key: entry}, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("could not keep the forward probes in %s: %s", self.path, e)
+
+
+def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int,
+                  cache: ProbeCache | None) -> tuple[ForwardCosts, str]:
+    """The forward's costs on this machine and how they were had ("probed", or "kept" after the
+    check): from `cache` where it holds them for `probe_key` and they pass the check, else probed
+    (and kept)."""
+    key = probe_key(runner, max_tokens) if cache is not None else ""
+    kept = cache.recall(key) if cache is not None else None
+    if kept is not None:
+        now = probe_forward(runner, num_blocks, max_tokens, sizes=CHECK_SIZES, tries_small=CHECK_TRIES)
+        drift = {n: now[n] / kept.seconds[n] - 1.0 for n in now if n in kept.seconds and kept.seconds[n] > 0}
+        if drift and all(abs(d) <= CHECK_TOLERANCE for d in drift.values()):
+            if any(d < 0 for d in drift.values()):
+                kept = dataclasses.replace(kept, seconds={n: min(s, now.get(n, s)) for n, s in kept.seconds.items()})
+                cache.remember(key, kept)
+            return kept, "kept, checked: " + ", ".join(f"{n} tokens {d:+.0%}" for n, d in drift.items())
+        logger.info("forward probes: the kept ones are off by %s; probing again",
+                    ", ".join(f"{d:+.0%} at {n} tokens" for n, d in drift.items()) or "their sizes")
+    seconds = probe_forward(runner, num_blocks, max_tokens)
+    hot, cold = probe_attention(runner, num_blocks, min(512, max_tokens - 1))
+    costs = ForwardCosts(seconds, hot, cold)
+    if cache is not None:
+        cache.remember(key, costs)
+    return costs, "probed"
+
+
 def build_speculator(
     spec: SpeculativeConfig, config: EngineConfig, runner: ModelRunner, tokenizer: Any | None,
-    draft_builder: DraftBuilder | None,
+    draft_builder: DraftBuilder | None, probe_cache: ProbeCache | None = None,
 ) -> Speculator:
     device = torch.device(config.device)
     sampler = Sampler(device, config.seed)
@@ -167,12 +278,13 @@ def build_speculator(
         controller: Controller = FixedController()
     else:
         num_blocks = runner.kv_cache[0][0].shape[0]
-        seconds = probe_forward(runner, num_blocks, min(config.scheduler.max_num_batched_tokens, config.max_model_len))
-        hot, cold = probe_attention(runner, num_blocks, min(512, config.max_model_len - 1))
-        logger.info("forward time by tokens: %s; attention %.2f us per token of context a request reads, %.2f a "
-                    "further row of it", {n: f"{s * 1e3:.1f} ms" for n, s in seconds.items()}, cold * 1e6, hot * 1e6)
+        max_tokens = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
+        costs, how = forward_costs(runner, num_blocks, max_tokens, probe_cache)
+        logger.info("forward time by tokens (%s): %s; attention %.2f us per token of context a request reads, %.2f a "
+                    "further row of it", how, {n: f"{s * 1e3:.1f} ms" for n, s in costs.seconds.items()},
+                    costs.cold * 1e6, costs.hot * 1e6)
         slo = None if spec.latency_slo_ms is None else spec.latency_slo_ms / 1000.0
-        model = StepCostModel(ForwardProfile(seconds), per_attended=hot, per_context=cold)
+        model = StepCostModel(ForwardProfile(costs.seconds), per_attended=costs.hot, per_context=costs.cold)
         controller = GoodputController(model, latency_slo=slo,
                                        latency_slack=spec.latency_slack, pace_slack=spec.pace_slack)
         guard = GoodputGuard(per_drafter={n: MODEL_GUARD for n, d in drafters.items() if d.runs_a_model})

@@ -1,0 +1,93 @@
+"""The forward probes kept across starts (specserve.engine.drafting.ProbeCache): a later engine on
+the same machine, model and cache layout uses the kept costs after a short check, probes again
+where the check fails or nothing readable is kept, and never takes another model's costs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specserve.engine.drafting import CHECK_SIZES, PROBE_SIZES, ProbeCache, forward_costs, probe_key
+from specserve.entrypoints.llm import LLM
+
+
+def _counting(runner) -> list[int]:
+    """Every forward the runner makes from now, by its number of new tokens."""
+    sizes: list[int] = []
+    run = runner.run
+
+    def counted(items, *args, **kwargs):
+        sizes.append(sum(len(item.tokens) for item in items))
+        return run(items, *args, **kwargs)
+
+    runner.run = counted
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama: Path):
+    return LLM(str(tiny_llama), speculative="none", max_model_len=256).engine.core.runner
+
+
+def _costs(runner, cache: ProbeCache):
+    return forward_costs(runner, runner.kv_cache[0][0].shape[0], 128, cache)
+
+
+def test_kept_costs_are_used_after_a_check_of_two_sizes(runner, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import specserve.engine.drafting as drafting
+
+    monkeypatch.setattr(drafting, "CHECK_TOLERANCE", 100.0)  # a tiny model's timings are noise: any check passes
+    cache = ProbeCache(tmp_path / "probes.json")
+    first, how = _costs(runner, cache)
+    assert how == "probed" and set(first.seconds) == set(PROBE_SIZES)
+    sizes = _counting(runner)
+    try:
+        again, how = _costs(runner, cache)
+    finally:
+        del runner.run
+    assert how.startswith("kept") and set(sizes) == set(CHECK_SIZES)  # only the check ran
+    assert (again.hot, again.cold) == (first.hot, first.cold) and again.seconds.keys() == first.seconds.keys()
+    for n, s in first.seconds.items():  # the checked sizes keep the lesser of the two measurements
+        assert again.seconds[n] == s if n not in CHECK_SIZES else again.seconds[n] <= s
+    assert cache.recall(probe_key(runner, 128)) == again
+
+
+def test_kept_costs_that_fail_the_check_are_probed_again_and_replaced(runner, tmp_path: Path) -> None:
+    path = tmp_path / "probes.json"
+    cache = ProbeCache(path)
+    _costs(runner, cache)
+    data = json.loads(path.read_text())
+    (key, entry), = data.items()
+    entry["seconds"] = {n: s * 50 for n, s in entry["seconds"].items()}  # far from what this machine does
+    path.write_text(json.dumps(data))
+    sizes = _counting(runner)
+    try:
+        costs, how = _costs(runner, cache)
+    finally:
+        del runner.run
+    assert how == "probed" and set(PROBE_SIZES) <= set(sizes)
+    kept = cache.recall(key)
+    assert kept == costs and all(kept.seconds[n] < s for n, s in
+                                 ((int(n), s) for n, s in entry["seconds"].items()))
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"%s": {"seconds": 3}}'])
+def test_an_unreadable_cache_is_no_cache(runner, tmp_path: Path, content: str) -> None:
+    path = tmp_path / "probes.json"
+    path.write_text(content.replace("%s", probe_key(runner, 128)))
+    costs, how = _costs(runner, ProbeCache(path))
+    assert how == "probed" and ProbeCache(path).recall(probe_key(runner, 128)) == costs
+
+
+def test_the_key_is_the_models_shapes_and_kernels_not_its_instance(runner, tiny_llama: Path,
+                                                                   tiny_qwen2: Path) -> None:
+    same = LLM(str(tiny_llama), speculative="none", max_model_len=256).engine.core.runner
+    assert probe_key(same, 128) == probe_key(runner, 128)
+    assert probe_key(runner, 64) != probe_key(runner, 128)
+    other = LLM(str(tiny_qwen2), speculative="none", max_model_len=256).engine.core.runner
+    assert probe_key(other, 128) != probe_key(runner, 128)
+    longer = LLM(str(tiny_llama), speculative="none", max_model_len=512).engine.core.runner
+    assert probe_key(longer, 128) != probe_key(runner, 128)  # its RoPE table: another model's tensors
