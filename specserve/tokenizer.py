@@ -3,6 +3,7 @@ detokenization."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,33 @@ def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+# The files of a model directory a tokenizer is made from (not its weights, which may be GBs).
+_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
+
+
+class TokenizerCache:
+    """Tokenizers loaded once per content: a draft model's directory holds its target's tokenizer,
+    file for file, as a rule (the Qwen2.5-Coder 0.5B's is the 1.5B's), and loading it again took 0.4
+    of the default server's start. Directories are told apart by the bytes of their tokenizer files."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+
+    def __call__(self, path: Path) -> Any:
+        key = self.digest(Path(path))
+        if key not in self._loaded:
+            self._loaded[key] = load_tokenizer(path)
+        return self._loaded[key]
+
+    @staticmethod
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.iterdir()
+                        if p.is_file() and (p.name.startswith(_TOKENIZER_FILES) or p.suffix in (".model", ".tiktoken"))):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,25 @@ def test_a_model_loads_and_chats_without_importing_transformers(tiny_llama: Path
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_tokenizer_is_loaded_once_per_content_not_per_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    """A draft model's directory that holds its target's tokenizer files gets the target's
+    tokenizer object (TokenizerCache); one whose tokenizer differs in a byte gets its own; the
+    weights beside them are not what tells them apart."""
+    import shutil
+
+    from specserve.tokenizer import TokenizerCache
+
+    copy, changed = tmp_path / "copy", tmp_path / "changed"
+    for d in (copy, changed):
+        shutil.copytree(tiny_llama, d)
+    (copy / "model.safetensors").write_bytes(b"other weights")
+    config = json.loads((changed / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 12345
+    (changed / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizers = TokenizerCache()
+    first = tokenizers(tiny_llama)
+    assert tokenizers(copy) is first
+    assert tokenizers(changed) is not first
+    assert tokenizers(changed).encode("a b c") == first.encode("a b c")

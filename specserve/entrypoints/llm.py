@@ -10,7 +10,7 @@ import time
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.entrypoints.engine_args import EngineArgs
 from specserve.speculation.config import SpeculativeConfig
 from specserve.speculation.factory import with_model_defaults
-from specserve.tokenizer import apply_chat_template, load_tokenizer, special_token_ids
+from specserve.tokenizer import TokenizerCache, apply_chat_template, load_tokenizer, special_token_ids
 
 logger = logging.getLogger("specserve")
 
@@ -40,19 +40,21 @@ logger = logging.getLogger("specserve")
 def build_model(
     model: str, load_format: str, device: str, dtype: torch.dtype, max_model_len: int | None, seed: int,
     quantization: str = "none", gguf_q4_0: bool = False, head_vocab: int | None = None, huge_pages: bool = False,
+    tokenizers: Callable[[Path], Any] = load_tokenizer,
 ) -> tuple[LlamaForCausalLM, Any, int, str]:
     """Load config and weights into our model, with each projection's kernel chosen by measurement
     for `quantization` (auto: as the weights were shipped; `gguf_q4_0`: a GGUF run on its own
     blocks has its wider projections rounded to Q4_0, for a draft model; `head_vocab`: the LM head
     reads out only the first that many token ids and the tokenizer's special tokens, for a draft
     model: LlamaForCausalLM.read_out_vocabulary; `huge_pages`: the weights moved into 2 MB pages,
-    specserve.model.huge_pages); returns (model, tokenizer or None, max_model_len, the precision the
-    weights run in)."""
+    specserve.model.huge_pages; `tokenizers`: loads a directory's tokenizer, as TokenizerCache does
+    once per content); returns (model, tokenizer or None, max_model_len, the precision the weights
+    run in)."""
     if load_format != "dummy":
         gguf_path = gguf_behind(model, load_format)
         if resolve_quantization(quantization, gguf_path, device) == "gguf":
             return _build_gguf_model(gguf_path, dtype, max_model_len, gguf_q4_0, head_vocab,  # type: ignore[arg-type]
-                                     huge_pages)
+                                     huge_pages, tokenizers)
     loaded = load_model_files(model, load_format)
     cfg = loaded.config
     limit = _check_limit(max_model_len, cfg)
@@ -76,7 +78,7 @@ def build_model(
     net.eval()
     precision = resolve_quantization(quantization, loaded.gguf_path, device)
     source = gguf_int4_source(loaded.gguf_path, cfg) if loaded.gguf_path is not None and precision == "int4" else None
-    tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
+    tokenizer = tokenizers(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
     _read_out_vocabulary(net, tokenizer, head_vocab, model)  # before the kernels: only the kept rows get one
     tuner = KernelTuner(torch.device(device))
     chosen = prepare_linears(net, precision, tuner.choose, source)
@@ -106,8 +108,8 @@ def _read_out_vocabulary(net: LlamaForCausalLM, tokenizer: Any, head_vocab: int 
 
 
 def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
-                      q4_0: bool = False, head_vocab: int | None = None,
-                      huge_pages: bool = False) -> tuple[LlamaForCausalLM, Any, int, str]:
+                      q4_0: bool = False, head_vocab: int | None = None, huge_pages: bool = False,
+                      tokenizers: Callable[[Path], Any] = load_tokenizer) -> tuple[LlamaForCausalLM, Any, int, str]:
     """A GGUF model on its own blocks (specserve.model.gguf_model): float32 activations on the CPU;
     `q4_0`: its wider projections rounded to Q4_0 (a draft model's); `head_vocab`: build_model's."""
     if dtype != torch.float32:
@@ -119,7 +121,7 @@ def _build_gguf_model(path: Path, dtype: torch.dtype, max_model_len: int | None,
     limit = _check_limit(max_model_len, cfg)
     # The tokenizer first: building it takes about 100 MB more than it keeps (a 151k vocabulary), and
     # that goes back to the OS before the weights come, so the process's peak is not the sum of both.
-    tokenizer = load_tokenizer(gguf_tokenizer_dir(path))
+    tokenizer = tokenizers(gguf_tokenizer_dir(path))
     _return_freed_memory()
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_positions=limit)
@@ -224,9 +226,10 @@ class LLM:
             logger.warning("dtype: bfloat16 matmuls cannot run on this CPU (probed); using float32")
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
+        self._tokenizers = TokenizerCache()  # the target's, and a draft model's where it is the same
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
                                                        args.max_model_len, args.seed, args.quantization,
-                                                       huge_pages=args.huge_pages)
+                                                       huge_pages=args.huge_pages, tokenizers=self._tokenizers)
         config = args.engine_config(net.config, limit, precision)
         spec = with_model_defaults(_found_draft(args.speculative, args.model, args.load_format), args.model)
         self.engine = LLMEngine(config, net, tokenizer, spec, draft_builder=self._build_draft)
@@ -244,7 +247,7 @@ class LLM:
         a = self.args
         model, tokenizer, _, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
                                              a.quantization, gguf_q4_0=quantization == "q4_0", head_vocab=vocab,
-                                             huge_pages=a.huge_pages)
+                                             huge_pages=a.huge_pages, tokenizers=self._tokenizers)
         return model, tokenizer
 
     @property
