@@ -32,14 +32,19 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-# The files of a model directory a tokenizer is made from (not its weights, which may be GBs).
-_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
+# The files of a model directory that map text to token ids (not its weights, which may be GBs;
+# not a chat_template.jinja, which only renders messages).
+_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens")
 
 
 class TokenizerCache:
-    """Tokenizers loaded once per content: a draft model's directory holds its target's tokenizer,
-    file for file, as a rule (the Qwen2.5-Coder 0.5B's is the 1.5B's), and loading it again took 0.4
-    of the default server's start. Directories are told apart by the bytes of their tokenizer files."""
+    """Tokenizers loaded once per content, for a target and its draft models: a draft model's
+    directory maps text to ids as its target's does, file for file, as a rule (the Qwen2.5-Coder
+    0.5B's tokenizer.json is the 1.5B's), and loading it again took 0.5 s of the default server's
+    start. Directories are told apart by the bytes of the files that make the ids; a separate
+    chat_template.jinja is not one of them (the 0.5B's differs from the 1.5B's), so a directory
+    that differs only there gets the tokenizer loaded first, with its template: the target's, which
+    is loaded first, and a draft model's template is never rendered."""
 
     def __init__(self) -> None:
         self._loaded: dict[str, Any] = {}

@@ -152,7 +152,7 @@ def test_a_model_loads_and_chats_without_importing_transformers(tiny_llama: Path
 def test_a_tokenizer_is_loaded_once_per_content_not_per_directory(tiny_llama: Path, tmp_path: Path) -> None:
     """A draft model's directory that holds its target's tokenizer files gets the target's
     tokenizer object (TokenizerCache); one whose tokenizer differs in a byte gets its own; the
-    weights beside them are not what tells them apart."""
+    weights and a chat_template.jinja beside them are not what tells them apart."""
     import shutil
 
     from specserve.tokenizer import TokenizerCache
@@ -161,6 +161,7 @@ def test_a_tokenizer_is_loaded_once_per_content_not_per_directory(tiny_llama: Pa
     for d in (copy, changed):
         shutil.copytree(tiny_llama, d)
     (copy / "model.safetensors").write_bytes(b"other weights")
+    (copy / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # a draft's template is never rendered
     config = json.loads((changed / "tokenizer_config.json").read_text())
     config["model_max_length"] = 12345
     (changed / "tokenizer_config.json").write_text(json.dumps(config))
