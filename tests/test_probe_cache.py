@@ -32,7 +32,7 @@ def runner(tiny_llama: Path):
 
 
 def _costs(runner, cache: ProbeCache):
-    return forward_costs(runner, runner.kv_cache[0][0].shape[0], 128, cache)
+    return forward_costs(runner, runner.kv_cache[0][0].shape[0], 128, 255, cache)
 
 
 def test_kept_costs_are_used_after_a_check_of_two_sizes(runner, tmp_path: Path,
@@ -53,7 +53,7 @@ def test_kept_costs_are_used_after_a_check_of_two_sizes(runner, tmp_path: Path,
     assert (again.hot, again.cold) == (first.hot, first.cold) and again.seconds.keys() == first.seconds.keys()
     for n, s in first.seconds.items():  # the checked sizes keep the lesser of the two measurements
         assert again.seconds[n] == s if n not in CHECK_SIZES else again.seconds[n] <= s
-    assert cache.recall(probe_key(runner, 128)) == again
+    assert cache.recall(probe_key(runner, 128, 255)) == again
 
 
 def test_kept_costs_that_fail_the_check_are_probed_again_and_replaced(runner, tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_a_slower_check_is_noise_and_a_faster_one_means_probing_again(runner, tm
     import specserve.engine.drafting as drafting
 
     cache = ProbeCache(tmp_path / "probes.json")
-    key = probe_key(runner, 128)
+    key = probe_key(runner, 128, 255)
     stored = drafting.ForwardCosts({n: 0.001 * n for n in PROBE_SIZES}, 1e-7, 2e-7)
     cache.remember(key, stored)
     fresh = {n: 0.0005 * n for n in PROBE_SIZES}
@@ -111,20 +111,20 @@ def test_a_slower_check_is_noise_and_a_faster_one_means_probing_again(runner, tm
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"%s": {"seconds": 3}}'])
 def test_an_unreadable_cache_is_no_cache(runner, tmp_path: Path, content: str) -> None:
     path = tmp_path / "probes.json"
-    path.write_text(content.replace("%s", probe_key(runner, 128)))
+    path.write_text(content.replace("%s", probe_key(runner, 128, 255)))
     costs, how = _costs(runner, ProbeCache(path))
-    assert how == "probed" and ProbeCache(path).recall(probe_key(runner, 128)) == costs
+    assert how == "probed" and ProbeCache(path).recall(probe_key(runner, 128, 255)) == costs
 
 
 def test_the_key_is_the_models_shapes_and_kernels_not_its_instance(runner, tiny_llama: Path,
                                                                    tiny_qwen2: Path) -> None:
     same = LLM(str(tiny_llama), speculative="none", max_model_len=256).engine.core.runner
-    assert probe_key(same, 128) == probe_key(runner, 128)
-    assert probe_key(runner, 64) != probe_key(runner, 128)
+    assert probe_key(same, 128, 255) == probe_key(runner, 128, 255)
+    assert probe_key(runner, 64, 255) != probe_key(runner, 128, 255) != probe_key(runner, 128, 127)
     other = LLM(str(tiny_qwen2), speculative="none", max_model_len=256).engine.core.runner
-    assert probe_key(other, 128) != probe_key(runner, 128)
+    assert probe_key(other, 128, 255) != probe_key(runner, 128, 255)
     longer = LLM(str(tiny_llama), speculative="none", max_model_len=512).engine.core.runner
-    assert probe_key(longer, 128) != probe_key(runner, 128)  # its RoPE table: another model's tensors
+    assert probe_key(longer, 128, 255) != probe_key(runner, 128, 255)  # its RoPE table: another model's tensors
 
 
 def test_weights_in_2mb_pages_are_another_key(runner, tiny_llama: Path) -> None:
@@ -135,4 +135,4 @@ def test_weights_in_2mb_pages_are_another_key(runner, tiny_llama: Path) -> None:
     if not huge_pages_available():
         pytest.skip("no transparent huge pages on this system")
     moved = LLM(str(tiny_llama), speculative="none", max_model_len=256, huge_pages=True).engine.core.runner
-    assert probe_key(moved, 128) != probe_key(runner, 128)
+    assert probe_key(moved, 128, 255) != probe_key(runner, 128, 255)

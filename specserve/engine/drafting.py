@@ -187,10 +187,11 @@ CHECK_FASTER = 0.10
 CHECK_SLOWER = 0.50
 
 
-def probe_key(runner: ModelRunner, max_tokens: int) -> str:
+def probe_key(runner: ModelRunner, max_tokens: int, context: int = 512) -> str:
     """The probes' key: the machine (CPU, flags, threads, PyTorch), the model's modules and kernels
     (every tensor's shape and type, each kernel's variant, types and prefetch policy), the KV cache's
-    layout and attention, the largest forward, and what the probes measure."""
+    layout and attention, the largest forward, the attention probe's context, and what the probes
+    measure."""
     model = runner.model
     modules = [(type(m).__name__, {a: repr(getattr(m, a)) for a in ("isa", "types", "prefetch") if hasattr(m, a)})
                for m in model.modules()]
@@ -201,7 +202,7 @@ def probe_key(runner: ModelRunner, max_tokens: int) -> str:
     described = {
         "machine": machine_key(runner.device), "modules": modules, "tensors": tensors, "storages": storages,
         "kv": (runner.block_size, str(k_cache.dtype), tuple(k_cache.shape[1:]), len(runner.kv_cache)),
-        "attention": type(runner.attention).__name__, "max_tokens": max_tokens,
+        "attention": type(runner.attention).__name__, "max_tokens": max_tokens, "context": context,
         "probes": (PROBE_SIZES, PROBE_TRIES, PROBE_TRIES_SMALL, SMALL_PROBE),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
@@ -241,12 +242,12 @@ class ProbeCache:
             logger.warning("could not keep the forward probes in %s: %s", self.path, e)
 
 
-def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int,
+def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int, context: int,
                   cache: ProbeCache | None) -> tuple[ForwardCosts, str]:
-    """The forward's costs on this machine and how they were had ("probed", or "kept" after the
-    check): from `cache` where it holds them for `probe_key` and they pass the check, else probed
-    (and kept)."""
-    key = probe_key(runner, max_tokens) if cache is not None else ""
+    """The forward's costs on this machine, forwards up to `max_tokens` and attention after `context`
+    cached tokens, and how they were had ("probed", or "kept" after the check): from `cache` where
+    it holds them for `probe_key` and they pass the check, else probed (and kept)."""
+    key = probe_key(runner, max_tokens, context) if cache is not None else ""
     kept = cache.recall(key) if cache is not None else None
     if kept is not None:
         now = probe_forward(runner, num_blocks, max_tokens, sizes=CHECK_SIZES, tries_small=CHECK_TRIES)
@@ -259,7 +260,7 @@ def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int,
         logger.info("forward probes: the kept ones are off by %s; probing again",
                     ", ".join(f"{d:+.0%} at {n} tokens" for n, d in drift.items()) or "their sizes")
     seconds = probe_forward(runner, num_blocks, max_tokens)
-    hot, cold = probe_attention(runner, num_blocks, min(512, max_tokens - 1))
+    hot, cold = probe_attention(runner, num_blocks, context)
     costs = ForwardCosts(seconds, hot, cold)
     if cache is not None:
         cache.remember(key, costs)
@@ -285,7 +286,7 @@ def build_speculator(
     else:
         num_blocks = runner.kv_cache[0][0].shape[0]
         max_tokens = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
-        costs, how = forward_costs(runner, num_blocks, max_tokens, probe_cache)
+        costs, how = forward_costs(runner, num_blocks, max_tokens, min(512, config.max_model_len - 1), probe_cache)
         logger.info("forward time by tokens (%s): %s; attention %.2f us per token of context a request reads, %.2f a "
                     "further row of it", how, {n: f"{s * 1e3:.1f} ms" for n, s in costs.seconds.items()},
                     costs.cold * 1e6, costs.hot * 1e6)
