@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("specserve")
 
@@ -33,6 +34,26 @@ def cache_root() -> Path:
     ~/.cache/specserve): kernel choices, converted GGUF tokenizers, this probe's outcome."""
     base = os.environ.get("SPECSERVE_CACHE")
     return Path(base) if base else Path.home() / ".cache" / "specserve"
+
+
+def read_kept(path: Path) -> dict[str, Any]:
+    """The JSON object kept at `path` (a file under cache_root()), or {} where it is missing,
+    unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def keep(path: Path, entries: dict[str, Any]) -> None:
+    """`entries` added to the JSON object at `path`, merged with what the file holds now (another
+    process may have added to it since this one read it), written whole and swapped in at once.
+    Raises OSError where it cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**read_kept(path), **entries}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def cpu_info() -> tuple[str, frozenset[str]]:
@@ -77,21 +98,15 @@ def safe_isa_cap(cache_dir: Path | None = None) -> str | None:
     cache_dir = cache_dir or cache_root()
     key = hashlib.sha256(f"{model}|{' '.join(sorted(flags))}|{_torch_version()}".encode()).hexdigest()[:16]
     path = cache_dir / "isa-probe.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        result: str = "none"
+    value = read_kept(path).get(key)
+    if value is None:
+        value = "none"
         if _probe(None) == -signal.SIGILL:
-            result = next((cap for cap in CAPS if _probe(cap) == 0), "broken")
-        known[key] = result
+            value = next((cap for cap in CAPS if _probe(cap) == 0), "broken")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(known))
+            keep(path, {key: value})
         except OSError:
             pass
-    value = known[key]
     return None if value == "none" else value
 
 

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +21,7 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ForwardItem, ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from specserve.engine.sequence import Sequence
-from specserve.isa import cache_root
+from specserve.isa import cache_root, keep, read_kept
 from specserve.model.attention import make_backend
 from specserve.model.huge_pages import weights
 from specserve.model.llama import LlamaForCausalLM
@@ -215,15 +214,8 @@ class ProbeCache:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path if path is not None else cache_root() / "forward-probes.json"
 
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
     def recall(self, key: str) -> ForwardCosts | None:
-        entry = self._read().get(key)
+        entry = read_kept(self.path).get(key)
         try:
             seconds = sorted((int(n), float(s)) for n, s in entry["seconds"].items())
             return ForwardCosts(dict(seconds), float(entry["hot"]), float(entry["cold"]))
@@ -231,13 +223,10 @@ class ProbeCache:
             return None
 
     def remember(self, key: str, costs: ForwardCosts) -> None:
+        entry = {"seconds": {str(n): s for n, s in costs.seconds.items()}, "hot": costs.hot, "cold": costs.cold,
+                 "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            entry = {"seconds": {str(n): s for n, s in costs.seconds.items()}, "hot": costs.hot,
-                     "cold": costs.cold, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-            tmp.write_text(json.dumps({**self._read(), key: entry}, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            keep(self.path, {key: entry})
         except OSError as e:
             logger.warning("could not keep the forward probes in %s: %s", self.path, e)
 

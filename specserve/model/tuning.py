@@ -9,10 +9,8 @@ has timed its shapes before. A candidate that raises is skipped.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import platform
 import statistics
 import time
@@ -22,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specserve.isa import cache_root, cpu_info
+from specserve.isa import cache_root, cpu_info, keep, read_kept
 from specserve.model import ops
 from specserve.model.ops import PACKED_BY_ID
 from specserve.model.quant import PREFETCH_POLICIES, GGUFLinearKernel, KernelFactory
@@ -83,22 +81,11 @@ class KernelTuner:
         self.device = device
         self.path = path if path is not None else cache_root() / "kernel-choices.json"
         self.machine = machine_key(device)
-        self._choices = self._read()
-
-    def _read(self) -> dict[str, str]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        self._choices: dict[str, str] = read_kept(self.path)
 
     def _write(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            merged = {**self._read(), **self._choices}
-            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            keep(self.path, self._choices)
         except OSError as e:
             logger.warning("could not save kernel choices to %s: %s", self.path, e)
 
