@@ -232,12 +232,12 @@ class ProbeCache:
 
 
 def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int, context: int,
-                  cache: ProbeCache | None) -> tuple[ForwardCosts, str]:
+                  cache: ProbeCache) -> tuple[ForwardCosts, str]:
     """The forward's costs on this machine, forwards up to `max_tokens` and attention after `context`
     cached tokens, and how they were had ("probed", or "kept" after the check): from `cache` where
     it holds them for `probe_key` and they pass the check, else probed (and kept)."""
-    key = probe_key(runner, max_tokens, context) if cache is not None else ""
-    kept = cache.recall(key) if cache is not None else None
+    key = probe_key(runner, max_tokens, context)
+    kept = cache.recall(key)
     if kept is not None:
         now = probe_forward(runner, num_blocks, max_tokens, sizes=CHECK_SIZES, tries_small=CHECK_TRIES)
         drift = {n: now[n] / kept.seconds[n] - 1.0 for n in now if n in kept.seconds and kept.seconds[n] > 0}
@@ -251,14 +251,13 @@ def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int, context
     seconds = probe_forward(runner, num_blocks, max_tokens)
     hot, cold = probe_attention(runner, num_blocks, context)
     costs = ForwardCosts(seconds, hot, cold)
-    if cache is not None:
-        cache.remember(key, costs)
+    cache.remember(key, costs)
     return costs, "probed"
 
 
 def build_speculator(
     spec: SpeculativeConfig, config: EngineConfig, runner: ModelRunner, tokenizer: Any | None,
-    draft_builder: DraftBuilder | None, probe_cache: ProbeCache | None = None,
+    draft_builder: DraftBuilder | None, probe_cache: ProbeCache,
 ) -> Speculator:
     device = torch.device(config.device)
     sampler = Sampler(device, config.seed)
