@@ -177,9 +177,10 @@ class ForwardCosts:
 # -10% to +41% of what was kept: a check slower than the kept costs by up to CHECK_SLOWER is taken
 # for noise (probing again in it would keep a worse profile); one faster by more than CHECK_FASTER
 # means the kept costs were taken in a slow moment, or the machine changed, and everything is
-# probed again and kept anew. A check that passes keeps the lesser of the two at its sizes, so that
-# a slow probe heals over starts. What is kept sets the shape of the controller's cost model; its
-# scale is fitted online to the steps as they are timed.
+# probed again and kept anew. A check that passes changes nothing kept: lowering only the checked
+# sizes to the least seen bent the profile's shape (the bundled model's kept 1-token forward fell
+# below its 2-token one, a first draft node priced below nothing). What is kept sets the shape of
+# the controller's cost model; its scale is fitted online to the steps as they are timed.
 CHECK_SIZES = (1, 9)
 CHECK_TRIES = 3
 CHECK_FASTER = 0.10
@@ -242,9 +243,6 @@ def forward_costs(runner: ModelRunner, num_blocks: int, max_tokens: int, context
         now = probe_forward(runner, num_blocks, max_tokens, sizes=CHECK_SIZES, tries_small=CHECK_TRIES)
         drift = {n: now[n] / kept.seconds[n] - 1.0 for n in now if n in kept.seconds and kept.seconds[n] > 0}
         if drift and all(-CHECK_FASTER <= d <= CHECK_SLOWER for d in drift.values()):
-            if any(d < 0 for d in drift.values()):
-                kept = dataclasses.replace(kept, seconds={n: min(s, now.get(n, s)) for n, s in kept.seconds.items()})
-                cache.remember(key, kept)
             return kept, "kept, checked: " + ", ".join(f"{n} tokens {d:+.0%}" for n, d in drift.items())
         logger.info("forward probes: the kept ones are off by %s; probing again",
                     ", ".join(f"{d:+.0%} at {n} tokens" for n, d in drift.items()) or "their sizes")
