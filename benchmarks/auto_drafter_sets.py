@@ -68,10 +68,12 @@ def main() -> None:
             by_scope.setdefault(scope, {})[name] = value
 
         def typed(owner: Any, scope: str) -> dict[str, Any]:  # each value in the type of its default on `owner`
-            return {k: type(getattr(owner, k))(float(v)) for k, v in by_scope.get(scope, {}).items()}
+            return {k: v if isinstance(getattr(owner, k), str) else type(getattr(owner, k))(float(v))
+                    for k, v in by_scope.get(scope, {}).items()}
 
         fields = {k: float(v) for k, v in by_scope.get("", {}).items()}
         llm = build_one(variant, fields, typed(EngineArgs(), "engine"))
+        llm.wait_for_huge_pages()  # the weights' collapse into 2 MB pages through before anything is timed
         speculator = llm.engine.core.speculator
         for k, v in typed(speculator, "speculator").items():  # a class setting, on this engine alone
             setattr(speculator, k, v)

@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     a = p.parse_args()
     llm = LLM(threads=2, speculative=a.spec)
+    llm.wait_for_huge_pages()
     texts = load_spec_bench_prompts(a.dataset, a.prompts)
     prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up

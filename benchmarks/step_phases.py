@@ -51,6 +51,7 @@ def main() -> None:
     spec: dict[str, Any] = dict(method=a.spec, draft_model=a.draft_model)
     spec.update({k: v for k, v in (("num_tokens", a.spec_tokens), ("controller", a.controller)) if v is not None})
     llm = LLM(a.model, max_num_seqs=a.batch, speculative=None if a.spec == "none" else spec)
+    llm.wait_for_huge_pages()
     if a.random:
         vocab = llm.engine.model.config.vocab_size
         prompts = [torch.randint(100, vocab - 100, (200,), generator=torch.Generator().manual_seed(i)).tolist()

@@ -1,6 +1,8 @@
-"""Weights moved into 2 MB pages at load (specserve.model.huge_pages): the model computes exactly
-what it computed where its weights loaded, every weight lies in the one mapping advised
-MADV_HUGEPAGE, and what was shared (a tied head, views of one tensor) stays shared, not copied twice."""
+"""Weights in 2 MB pages (specserve.model.huge_pages). Moved at load (`huge_pages="load"`): the model
+computes exactly what it computed where its weights loaded, every weight lies in the one mapping
+advised MADV_HUGEPAGE, and what was shared (a tied head, views of one tensor) stays shared, not copied
+twice. Collapsed in place (the default, "auto"): every region holding a weight byte is asked for,
+once; the weights stay where they are and compute the same; a kernel that refuses changes nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from specserve import LLM, SamplingParams
 from specserve.entrypoints.engine_args import EngineArgs
 from specserve.model import huge_pages
 from specserve.model.forward import ForwardItem
-from specserve.model.huge_pages import huge_pages_available, into_huge_pages, weights
+from specserve.model.huge_pages import (HUGE_PAGE, PageCollapse, collapse_regions, huge_pages_available,
+                                        into_huge_pages, weights)
 
 from conftest import random_prompts
 from gguf_fixtures import write_model
@@ -126,11 +129,15 @@ def test_where_the_system_has_huge_pages_off_nothing_moves(tmp_path: Path, monke
     assert [t.data_ptr() for t in weights(m)] == where
 
 
-def test_huge_pages_are_asked_for_on_the_command_line_and_off_by_default() -> None:
+def test_huge_pages_are_collapsed_in_place_by_default_and_the_bare_flag_moves_them_at_load() -> None:
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
-    assert not EngineArgs.from_cli(p.parse_args([])).huge_pages and not EngineArgs().huge_pages
-    assert EngineArgs.from_cli(p.parse_args(["--huge-pages"])).huge_pages
+    assert EngineArgs.from_cli(p.parse_args([])).huge_pages == "auto" == EngineArgs().huge_pages
+    assert EngineArgs.from_cli(p.parse_args(["--huge-pages"])).huge_pages == "load"
+    assert EngineArgs.from_cli(p.parse_args(["--huge-pages", "off"])).huge_pages == "off"
+    assert EngineArgs(huge_pages=True).huge_pages == "load" and EngineArgs(huge_pages=False).huge_pages == "off"
+    with pytest.raises(ValueError, match="huge_pages: 'yes' is not one of auto, load, off"):
+        EngineArgs(huge_pages="yes")
 
 
 @needs_thp
@@ -170,3 +177,78 @@ def test_a_kernel_that_refuses_the_advice_still_gets_the_weights_whole(monkeypat
     assert into_huge_pages(m) > 0
     assert all(torch.equal(a, b) for a, b in zip(weights(m), before))
     assert "hg" not in _mapping_of(m.embed.weight.data_ptr())[2]
+
+
+def test_the_regions_asked_for_hold_every_byte_of_every_weight_and_nothing_else_each_once() -> None:
+    m = _Shared()
+    big = nn.Linear(1024, 1500, bias=False)  # 6 MB: regions of its own, and its edges shared with others
+    tensors = [*weights(m), *weights(big), torch.empty(0)]
+    regions = collapse_regions(tensors)
+    assert regions == sorted(set(regions)) and all(r % HUGE_PAGE == 0 for r in regions)
+    spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors if t.numel()}
+    for start, n in spans:  # every byte, the first and last of each storage included, lies in a region
+        for byte in (start, start + n - 1, *range(start, start + n, 4096)):
+            assert byte // HUGE_PAGE * HUGE_PAGE in regions
+    assert all(any(start < r + HUGE_PAGE and r < start + n for start, n in spans) for r in regions)  # none idle
+
+
+def test_a_refused_collapse_is_counted_and_changes_nothing() -> None:
+    """A kernel before 6.1 (EINVAL for an advice it does not know), or no huge page free (ENOMEM):
+    the thread finishes, counts each refusal by errno, and the weights are as they were."""
+    import ctypes
+
+    asked: list[tuple[int, int, int]] = []
+
+    def refuse(address: int, length: int, advice: int) -> int:
+        asked.append((address, length, advice))
+        ctypes.set_errno(22 if len(asked) % 2 else 12)
+        return -1
+
+    m = _Shared()
+    before = [t.clone() for t in weights(m)]
+    job = PageCollapse(collapse_regions(weights(m)), advise=refuse).start()
+    assert job.wait(30)
+    assert not job.collapsed and sum(job.refused.values()) == len(job.regions) == len(asked) > 0
+    assert set(job.refused) == ({22, 12} if len(asked) > 1 else {22})
+    assert all(length == HUGE_PAGE and advice == huge_pages.MADV_COLLAPSE for _, length, advice in asked)
+    assert all(torch.equal(a, b) for a, b in zip(weights(m), before))
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping that holds `address`."""
+    start, end, _ = _mapping_of(address)
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = head == f"{start:x}-{end:x}"
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no AnonHugePages for {address:#x}")
+
+
+@needs_thp
+def test_by_default_the_weights_are_collapsed_where_they_lie_and_compute_what_they_computed(
+    files: dict[str, Path],
+) -> None:
+    path = str(files["gguf-qwen2"])
+    collapsed = LLM(path, speculative=None)
+    where = [t.data_ptr() for t in weights(collapsed.engine.model)]
+    assert collapsed.wait_for_huge_pages(60) and collapsed.huge_pages is not None
+    job = collapsed.huge_pages
+    if not job.collapsed:
+        pytest.skip(f"this kernel collapses nothing (refused by errno: {dict(job.refused)})")
+    # (checked before another model loads: a load's malloc_trim gives back free heap pages, which
+    # splits a huge page that holds one)
+    assert all(_anon_huge_kb(region) > 0 for region in job.collapsed)  # the kernel's own account
+    assert [t.data_ptr() for t in weights(collapsed.engine.model)] == where  # in place: nothing moved
+    kept = LLM(path, speculative=None, huge_pages="off")
+    assert kept.huge_pages is None and LLM(path, speculative=None, huge_pages="load").huge_pages is None
+    vocab = collapsed.engine.model.config.vocab_size
+    prompt = random_prompts(1, seed=3, low=40, high=41, vocab=min(vocab, 259))[0]
+    logits = []
+    for llm in (collapsed, kept):
+        with torch.inference_mode():
+            logits.append(llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits)
+    assert torch.equal(*logits)

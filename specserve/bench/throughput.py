@@ -84,6 +84,7 @@ def run_throughput_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         torch.set_num_threads(a.threads)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
     llm = LLM.from_engine_args(EngineArgs.from_cli(a))
+    llm.wait_for_huge_pages()
     tok = llm.tokenizer
     if tok is not None:
         texts = load_prompts(a, tok, max(batch_sizes))

@@ -17,6 +17,7 @@ from specserve.model.quant import QUANTIZATIONS
 from specserve.speculation.config import CONTROLLERS, DRAFT_QUANTIZATIONS, SPEC_METHODS, SpeculativeConfig
 
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
+HUGE_PAGES = ("auto", "load", "off")
 
 
 def speculative_config(speculative: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig:
@@ -68,10 +69,12 @@ class EngineArgs:
         weights (half the memory of float32), else the model's dtype.
     attention_backend: auto | sdpa | cpu-paged (auto: the in-place CPU kernel where it builds).
     threads: CPU threads for PyTorch and the native kernels (None: PyTorch's default).
-    huge_pages: on the CPU, the weights moved at load into memory backed by 2 MB pages where the
-        system gives them (specserve.model.huge_pages: decoding ~1.1x, a step's weight reads miss
-        the TLB 512x less; but the 1.5B's server start 2.6 -> 5.5 s where memory must be compacted
-        first, past issue 24's start target, so not the default yet).
+    huge_pages: auto | load | off: where the weights (target's and draft model's) get 2 MB pages on
+        the CPU (specserve.model.huge_pages: decoding 1.1-1.2x, a step's weight reads miss the TLB
+        512x less). auto: collapsed in place by a thread of their own once the engine is built, while
+        it serves (Linux 6.1+; the start as without); load: moved at load into one mapping advised
+        for them (the 1.5B's server start 2.6 -> 5.5 s where memory must be compacted first); off:
+        4 KB pages. True and False are taken as load and off.
     """
 
     model: str = DEFAULT_MODEL
@@ -91,7 +94,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int | None = None
-    huge_pages: bool = False
+    huge_pages: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
@@ -108,6 +111,10 @@ class EngineArgs:
             parse_dtype(self.kv_cache_dtype)
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb: must be positive, got {self.kv_cache_gb}")
+        if isinstance(self.huge_pages, bool):  # LLM(huge_pages=True), as before the modes
+            object.__setattr__(self, "huge_pages", "load" if self.huge_pages else "off")
+        if self.huge_pages not in HUGE_PAGES:
+            raise ValueError(f"huge_pages: {self.huge_pages!r} is not one of {', '.join(HUGE_PAGES)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
 
@@ -148,9 +155,11 @@ class EngineArgs:
         g.add_argument("--engine-seed", type=int, default=d.seed,
                        help="seed of the engine's own generator (requests without a seed draw from it)")
         g.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: PyTorch's choice)")
-        g.add_argument("--huge-pages", action="store_true",
-                       help="move the weights at load into 2 MB pages (Linux, transparent huge pages not off): "
-                            "decoding ~1.1x, the start slower by the copy (0.4-3 s for a 1.5B model)")
+        g.add_argument("--huge-pages", nargs="?", const="load", default=d.huge_pages, choices=HUGE_PAGES,
+                       help="the weights in 2 MB pages (Linux, transparent huge pages not off; decoding 1.1-1.2x): "
+                            "auto (default) collapses them in place while the server already serves (Linux 6.1+); "
+                            "load (the bare flag) moves them at load, the start slower by the copy (0.4-3 s for a "
+                            "1.5B model); off")
         s = p.add_argument_group("speculative decoding")
         spec = d.speculative
         s.add_argument("--spec", default=CLI_SPEC_DEFAULT,

@@ -22,7 +22,7 @@ from specserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from specserve.model.drafts import draft_for, models_dir
 from specserve.model.gguf_file import GGUFFile
 from specserve.model.gguf_model import gguf_config, gguf_tokenizer_dir, install_gguf_weights, rope_freq_factors
-from specserve.model.huge_pages import into_huge_pages
+from specserve.model.huge_pages import PageCollapse, collapse_regions, huge_pages_available, into_huge_pages, weights
 from specserve.model.loader import (DEFAULT_MODEL, gguf_behind, gguf_int4_source, load_model_files,
                                     resolve_quantization)
 from specserve.model.quant import prepare_linears
@@ -227,12 +227,15 @@ class LLM:
             torch_dtype = torch.float32
             self.args = args = args.with_(dtype="float32")
         self._tokenizers = TokenizerCache()  # the target's, and a draft model's where it is the same
+        self._drafts: list[LlamaForCausalLM] = []
         net, tokenizer, limit, precision = build_model(args.model, args.load_format, args.device, torch_dtype,
                                                        args.max_model_len, args.seed, args.quantization,
-                                                       huge_pages=args.huge_pages, tokenizers=self._tokenizers)
+                                                       huge_pages=args.huge_pages == "load", tokenizers=self._tokenizers)
         config = args.engine_config(net.config, limit, precision)
         spec = with_model_defaults(_found_draft(args.speculative, args.model, args.load_format), args.model)
         self.engine = LLMEngine(config, net, tokenizer, spec, draft_builder=self._build_draft)
+        # After the engine's build, whose forward probes time the weights as they are while nothing else runs
+        self.huge_pages = self._collapse_into_huge_pages([net, *self._drafts])
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLM":
@@ -247,8 +250,21 @@ class LLM:
         a = self.args
         model, tokenizer, _, _ = build_model(name, "auto", a.device, parse_dtype(a.dtype), max_model_len, a.seed,
                                              a.quantization, gguf_q4_0=quantization == "q4_0", head_vocab=vocab,
-                                             huge_pages=a.huge_pages, tokenizers=self._tokenizers)
+                                             huge_pages=a.huge_pages == "load", tokenizers=self._tokenizers)
+        self._drafts.append(model)
         return model, tokenizer
+
+    def _collapse_into_huge_pages(self, models: list[LlamaForCausalLM]) -> PageCollapse | None:
+        """With huge_pages "auto" on the CPU: the weights' regions collapsed into 2 MB pages in place,
+        on a thread of its own, while the engine serves (specserve.model.huge_pages.PageCollapse)."""
+        if self.args.huge_pages != "auto" or self.args.device != "cpu" or not huge_pages_available():
+            return None
+        return PageCollapse(collapse_regions(t for m in models for t in weights(m))).start()
+
+    def wait_for_huge_pages(self, timeout: float | None = None) -> bool:
+        """Block until the weights' collapse into huge pages (huge_pages "auto") is through, as a
+        benchmark does before it times; whether it is (True where there is none)."""
+        return self.huge_pages is None or self.huge_pages.wait(timeout)
 
     @property
     def tokenizer(self) -> Any:

@@ -10,6 +10,15 @@ copy's page faults take 2 MB pages, which the kernel may first have to compact m
 does not ask, and a GGUF file's own pages are 4 KB page-cache pages, so the weights are copied
 once, at load, into one anonymous private mapping advised MADV_HUGEPAGE (`WeightArena`), each
 storage once (tied weights and views of one tensor stay shared), and the originals are dropped.
+
+That copy costs the start, so by default the weights are not moved: once the engine is built, a
+thread of its own asks the kernel to collapse the 2 MB-aligned regions the weights lie in into huge
+pages where they are (`madvise(MADV_COLLAPSE)`, Linux 6.1 and later: the kernel copies each region
+into a huge page and remaps it, the addresses stay, concurrent reads see the same bytes throughout).
+The engine serves meanwhile, in 4 KB pages, and speeds up as regions are collapsed
+(`PageCollapse`; the 1.5B: 1002 of its 1108 MB in 2 MB pages after 2-3 s of one core, decoding
+1.1-1.2x after). A region that reaches past the weights collapses the memory beside them too (the
+heap's, a little more resident memory); one that crosses two mappings is refused (EINVAL) and stays.
 """
 
 from __future__ import annotations
@@ -18,6 +27,11 @@ import ctypes
 import logging
 import mmap
 import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -133,3 +147,66 @@ def into_huge_pages(model: nn.Module, freed: Callable[[], None] | None = None) -
     with torch.no_grad():
         model._apply(place)
     return arena.used
+
+
+MADV_COLLAPSE = 25  # Linux 6.1 (<linux/mman.h>); Python's mmap module may not name it
+
+
+def collapse_regions(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The start of every 2 MB-aligned region that holds a byte of one of these CPU tensors'
+    storages, ascending, each once."""
+    spans = sorted({_storage_key(t) for t in tensors if _movable(t)})
+    starts: list[int] = []
+    for address, nbytes in spans:
+        first = max(address // HUGE_PAGE * HUGE_PAGE, starts[-1] + HUGE_PAGE if starts else 0)
+        starts.extend(range(first, address + nbytes, HUGE_PAGE))
+    return starts
+
+
+def _madvise() -> Callable[[int, int, int], int]:
+    """libc's madvise(address, length, advice): 0, or -1 with errno set (the GIL let go meanwhile)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@dataclass
+class PageCollapse:
+    """Collapses `regions` (2 MB-aligned addresses, collapse_regions) into huge pages in place, on a
+    daemon thread of its own (`start`), one region a call, so the engine's step runs meanwhile;
+    `wait` blocks until it is through. What it did: the regions `collapsed`, those `refused` by errno (EINVAL:
+    the region crosses two mappings, or a kernel before 6.1; ENOMEM/EAGAIN: no huge page free now),
+    `seconds`. The memory stays valid and unchanged whatever the kernel answers."""
+
+    regions: list[int]
+    advise: Callable[[int, int, int], int] = field(default_factory=_madvise, repr=False)
+    collapsed: list[int] = field(default_factory=list)
+    refused: Counter[int] = field(default_factory=Counter)
+    seconds: float = 0.0
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> "PageCollapse":
+        self._thread = threading.Thread(target=self.run, name="specserve-huge-pages", daemon=True)
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        begin = time.perf_counter()
+        for address in self.regions:
+            if self.advise(address, HUGE_PAGE, MADV_COLLAPSE) == 0:
+                self.collapsed.append(address)
+            else:
+                self.refused[ctypes.get_errno()] += 1
+        self.seconds = time.perf_counter() - begin
+        logger.info("weights: %d of %d 2 MB regions collapsed into huge pages in %.1f s%s", len(self.collapsed),
+                    len(self.regions), self.seconds,
+                    f" (refused: {dict(self.refused)} by errno)" if self.refused else "")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is through (True where it never started)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
