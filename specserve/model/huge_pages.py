@@ -16,7 +16,7 @@ thread of its own asks the kernel to collapse the 2 MB-aligned regions the weigh
 pages where they are (`madvise(MADV_COLLAPSE)`, Linux 6.1 and later: the kernel copies each region
 into a huge page and remaps it, the addresses stay, concurrent reads see the same bytes throughout).
 The engine serves meanwhile, in 4 KB pages, and speeds up as regions are collapsed (`PageCollapse`,
-a thread that runs only on an idle CPU; the 1.5B: 1002 of its 1108 MB in 2 MB pages after 0.6-3 s
+a thread at the lowest priority; the 1.5B: 1002 of its 1108 MB in 2 MB pages after 0.6-3 s
 of one core, decoding 1.2-1.3x after). A region that reaches past the weights collapses the memory beside them too (the
 heap's, a little more resident memory); one that crosses two mappings is refused (EINVAL) and stays.
 """
@@ -173,26 +173,26 @@ def _madvise() -> Callable[[int, int, int], int]:
     return fn
 
 
-def _yield_to_everything() -> None:
-    """The calling thread runs only on a CPU nothing else wants (SCHED_IDLE; else the lowest nice).
-    Measured on the 1.5B: at normal priority a collapse beside decoding took 2 s of one of the two
-    cores and slowed that decoding to 0.7x; at SCHED_IDLE decoding kept its rate (16.3-18.9 tok/s
-    as regions came, against 16.8 before), the collapse advanced in the engine's pauses and took
-    the rest of its 2.5 s once decoding stopped."""
+def _lowest_priority() -> None:
+    """The calling thread at the lowest nice: it gets a CPU where the engine leaves one, and a small
+    share where the engine keeps both busy. Measured on the 1.5B, served, requests back to back
+    from the start: at normal priority the collapse took 2 s of one of the two cores and slowed
+    the decode beside it to 0.7x; at nice 19 it took 7 s, the first 64-token request ran at 12.0
+    tok/s, the next at 19.1 and the rest at 20.4-22.1 (15.9-18.1 with the weights left in 4 KB
+    pages, the next run); at SCHED_IDLE the decode kept its rate but the
+    collapse did not advance in 27 s (the engine's OpenMP threads spin between steps, so the CPUs
+    never look idle), and the weights stayed in 4 KB pages for as long as requests kept coming."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+        pass
 
 
 @dataclass
 class PageCollapse:
     """Collapses `regions` (2 MB-aligned addresses, collapse_regions) into huge pages in place, on a
-    daemon thread of its own (`start`) that runs only where a CPU is idle, one region a call, so the
-    engine's step runs meanwhile;
+    daemon thread of its own (`start`) at the lowest priority, one region a call, so the engine's
+    step runs meanwhile;
     `wait` blocks until it is through. What it did: the regions `collapsed`, those `refused` by errno (EINVAL:
     the region crosses two mappings, or a kernel before 6.1; ENOMEM/EAGAIN: no huge page free now),
     `seconds`. The memory stays valid and unchanged whatever the kernel answers."""
@@ -210,7 +210,7 @@ class PageCollapse:
         return self
 
     def run(self) -> None:
-        _yield_to_everything()
+        _lowest_priority()
         begin = time.perf_counter()
         for address in self.regions:
             if self.advise(address, HUGE_PAGE, MADV_COLLAPSE) == 0:
