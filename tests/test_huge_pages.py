@@ -252,3 +252,58 @@ def test_by_default_the_weights_are_collapsed_where_they_lie_and_compute_what_th
         with torch.inference_mode():
             logits.append(llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits)
     assert torch.equal(*logits)
+
+
+def test_the_collapse_waits_while_the_engine_computes_and_goes_on_after_its_patience() -> None:
+    """Busy all along: nothing is asked before `patience` has passed, then every region is; idle:
+    every region at once."""
+    import time
+
+    m = _Shared()
+    asked: list[float] = []
+
+    def advise(address: int, length: int, advice: int) -> int:
+        asked.append(time.perf_counter())
+        return 0
+
+    begin = time.perf_counter()
+    job = PageCollapse(collapse_regions(weights(m)), advise=advise, busy=lambda: True, patience=0.5, poll=0.01).start()
+    assert job.wait(30) and len(job.collapsed) == len(job.regions) == len(asked) > 0
+    assert min(asked) - begin >= 0.5
+    asked.clear()
+    begin = time.perf_counter()
+    idle = PageCollapse(collapse_regions(weights(m)), advise=advise, busy=lambda: False, patience=30).start()
+    assert idle.wait(30) and len(asked) == len(idle.regions) and max(asked) - begin < 5
+
+
+def test_the_rest_of_the_process_counts_as_busy_past_its_share_of_a_cpu() -> None:
+    import threading
+    import time
+
+    from specserve.model.huge_pages import OthersBusy
+
+    cpu = [0.0]
+    busy = OthersBusy(share=0.25, others_cpu=lambda: cpu[0])
+    time.sleep(0.1)
+    cpu[0] += 0.005  # 5% of a CPU
+    assert not busy()
+    time.sleep(0.1)
+    cpu[0] += 0.05  # 50%
+    assert busy()
+    seen: dict[str, bool] = {}
+
+    def look() -> None:  # the real account: this thread asks while the main thread spins
+        real = OthersBusy()
+        go.set()
+        time.sleep(0.3)
+        seen["busy"] = real()
+
+    go = threading.Event()
+    t = threading.Thread(target=look)
+    t.start()
+    go.wait(10)
+    end = time.perf_counter() + 0.35
+    while time.perf_counter() < end:
+        pass
+    t.join()
+    assert seen == {"busy": True}
