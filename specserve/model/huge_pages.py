@@ -15,10 +15,11 @@ That copy costs the start, so by default the weights are not moved: once the eng
 thread of its own asks the kernel to collapse the 2 MB-aligned regions the weights lie in into huge
 pages where they are (`madvise(MADV_COLLAPSE)`, Linux 6.1 and later: the kernel copies each region
 into a huge page and remaps it, the addresses stay, concurrent reads see the same bytes throughout).
-The engine serves meanwhile, in 4 KB pages, and speeds up as regions are collapsed (`PageCollapse`,
-a thread at the lowest priority that waits while the engine computes, up to 10 s; the 1.5B: 1002 of its 1108 MB in 2 MB pages after 0.6-3 s
-of one core, decoding 1.2-1.3x after). A region that reaches past the weights collapses the memory beside them too (the
-heap's, a little more resident memory); one that crosses two mappings is refused (EINVAL) and stays.
+The engine serves meanwhile, in 4 KB pages, and speeds up as regions are collapsed (`PageCollapse`:
+a thread at the lowest priority that waits while the engine computes, for up to 10 s; the 1.5B:
+1002 of its 1108 MB in 2 MB pages after 0.6-3 s of one core, decoding 1.2-1.3x after). A region
+that reaches past the weights collapses the memory beside them too (the heap's: a little more
+resident memory); one that crosses two mappings is refused (EINVAL) and stays in 4 KB pages.
 """
 
 from __future__ import annotations
