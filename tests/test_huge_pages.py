@@ -40,6 +40,13 @@ def _mapping_of(address: int) -> tuple[int, int, frozenset[str]]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _prompt_logits(llm: LLM) -> torch.Tensor:
+    """Every position's logits for one 40-token prompt, straight from the model runner."""
+    prompt = random_prompts(1, seed=3, low=40, high=41, vocab=min(llm.engine.model.config.vocab_size, 259))[0]
+    with torch.inference_mode():
+        return llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("huge")
@@ -56,13 +63,8 @@ def test_weights_in_huge_pages_compute_what_they_computed_where_they_loaded(
     moved, kept = LLM(path, huge_pages=True), LLM(path, huge_pages=False)
     arena = {_mapping_of(t.data_ptr())[:2] for t in weights(moved.engine.model) if t.numel()}
     assert len(arena) == 1 and not {_mapping_of(t.data_ptr())[:2] for t in weights(kept.engine.model) if t.numel()} & arena
+    assert torch.equal(*(_prompt_logits(llm) for llm in (moved, kept)))
     vocab = moved.engine.model.config.vocab_size
-    prompt = random_prompts(1, seed=3, low=40, high=41, vocab=min(vocab, 259))[0]
-    logits = []
-    for llm in (moved, kept):
-        with torch.inference_mode():
-            logits.append(llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits)
-    assert torch.equal(*logits)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = random_prompts(3, seed=4, vocab=min(vocab, 259))
     assert ([o.token_ids for o in moved.generate(prompts, params, use_tqdm=False)]
@@ -240,18 +242,12 @@ def test_by_default_the_weights_are_collapsed_where_they_lie_and_compute_what_th
     if not job.collapsed:
         pytest.skip(f"this kernel collapses nothing (refused by errno: {dict(job.refused)})")
     # (checked before another model loads: a load's malloc_trim gives back free heap pages, which
-    # splits a huge page that holds one)
+    # may split a huge page that holds one; it failed here once when checked after)
     assert all(_anon_huge_kb(region) > 0 for region in job.collapsed)  # the kernel's own account
     assert [t.data_ptr() for t in weights(collapsed.engine.model)] == where  # in place: nothing moved
     kept = LLM(path, speculative=None, huge_pages="off")
     assert kept.huge_pages is None and LLM(path, speculative=None, huge_pages="load").huge_pages is None
-    vocab = collapsed.engine.model.config.vocab_size
-    prompt = random_prompts(1, seed=3, low=40, high=41, vocab=min(vocab, 259))[0]
-    logits = []
-    for llm in (collapsed, kept):
-        with torch.inference_mode():
-            logits.append(llm.engine.runner.run([ForwardItem(list(range(4)), 0, prompt, logits="all")]).logits)
-    assert torch.equal(*logits)
+    assert torch.equal(*(_prompt_logits(llm) for llm in (collapsed, kept)))
 
 
 def test_the_collapse_waits_while_the_engine_computes_and_goes_on_after_its_patience() -> None:
