@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from specserve.bench.launcher import free_port
+from specserve.bench.launcher import LaunchedServer, ServeCommand
 
 
 def ask(port: int, model: str, tokens: int) -> float:
@@ -35,28 +33,11 @@ def ask(port: int, model: str, tokens: int) -> float:
 
 
 def run(name: str, args: str, a: argparse.Namespace) -> dict[str, object]:
-    port = free_port()
-    log = Path(tempfile.mkstemp(suffix=".log")[1])
-    argv = [sys.executable, "-m", "specserve.cli", "serve", "--model", a.model, "--threads", str(a.threads),
-            "--port", str(port), *shlex.split(args)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{name}: the server did not come up ({log})")
-                    time.sleep(0.2)
-            rates = [round(ask(port, a.model, a.tokens), 1) for _ in range(a.requests)]
-            huge = [line.split()[1] for line in open(f"/proc/{proc.pid}/smaps_rollup") if line.startswith("AnonHuge")]
-        finally:
-            proc.terminate()
-            proc.wait(30)
-    collapse = [line.strip() for line in log.read_text(errors="replace").splitlines() if "collapsed into huge pages" in line]
+    command = ServeCommand(("--model", a.model, "--threads", str(a.threads), *shlex.split(args)))
+    with LaunchedServer(command, Path(tempfile.mkstemp(suffix=".log")[1])) as server:
+        rates = [round(ask(server.port, a.model, a.tokens), 1) for _ in range(a.requests)]
+        huge = [line.split()[1] for line in open(f"/proc/{server.pid}/smaps_rollup") if line.startswith("AnonHuge")]
+    collapse = [line.strip() for line in server.log_tail(1 << 20).splitlines() if "collapsed into huge pages" in line]
     row = {"config": name, "args": args, "tok_s": rates, "anon_huge_kb": int(huge[0]) if huge else None,
            "collapse_log": collapse[-1] if collapse else None}
     print(row, flush=True)

@@ -26,18 +26,29 @@ from gguf_fixtures import write_model
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages on this system")
 
 
-def _mapping_of(address: int) -> tuple[int, int, frozenset[str]]:
-    """(start, end, VmFlags) of this process's mapping that holds `address`."""
-    found = None
+def _smaps_entry(address: int) -> tuple[int, int, dict[str, str]]:
+    """(start, end, fields) of this process's mapping that holds `address`, from /proc/self/smaps."""
+    found: tuple[int, int, dict[str, str]] | None = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
+                if found is not None:
+                    break
                 start, end = (int(x, 16) for x in head.split("-"))
-                found = (start, end) if start <= address < end else None
-            elif found is not None and line.startswith("VmFlags:"):
-                return found[0], found[1], frozenset(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
+                found = (start, end, {}) if start <= address < end else None
+            elif found is not None:
+                key, _, value = line.partition(":")
+                found[2][key] = value.strip()
+    if found is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return found
+
+
+def _mapping_of(address: int) -> tuple[int, int, frozenset[str]]:
+    """(start, end, VmFlags) of this process's mapping that holds `address`."""
+    start, end, fields = _smaps_entry(address)
+    return start, end, frozenset(fields["VmFlags"].split())
 
 
 def _prompt_logits(llm: LLM) -> torch.Tensor:
@@ -218,16 +229,7 @@ def test_a_refused_collapse_is_counted_and_changes_nothing() -> None:
 
 def _anon_huge_kb(address: int) -> int:
     """AnonHugePages (kB) of this process's mapping that holds `address`."""
-    start, end, _ = _mapping_of(address)
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = head == f"{start:x}-{end:x}"
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no AnonHugePages for {address:#x}")
+    return int(_smaps_entry(address)[2]["AnonHugePages"].split()[0])
 
 
 @needs_thp
