@@ -59,6 +59,7 @@ not off at the decodes' own shape (`off`).
 from __future__ import annotations
 
 import enum
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class GuardConfig:
     control_every: int = 64  # a plain step when none came at the bucket in this many steps
     control_close: int = 8  # ... in this many, while drafting's gain is within `close` of plain's
     close: float = 0.25
+    # plain references taken every `control_close` steps however drafting's gain reads, the reference
+    # their median, before it is a moving average (see `_reference_every`)
+    first_references: int = 4
     share_decay: float = 0.95  # weight of the old share of drafted steps among steps with drafting on, per step
     probe_after: int = 16  # steps off before the first probe
     probe_max: int = 512  # the longest wait between probes
@@ -89,7 +93,7 @@ class GuardConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
-        for name in ("min_steps", "control_every", "control_close", "probe_after", "probe_max", "probe_steps",
+        for name in ("min_steps", "control_every", "control_close", "first_references", "probe_after", "probe_max", "probe_steps",
                      "fresh_requests_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
@@ -113,6 +117,7 @@ class _Average:
 @dataclass(slots=True)
 class _Bucket:
     plain: _Average = field(default_factory=_Average)  # seconds per token of plain steps
+    first_plain: list[float] = field(default_factory=list)  # the first `first_references` of them
     seconds: _Average = field(default_factory=_Average)  # of drafted steps
     tokens: _Average = field(default_factory=_Average)  # emitted by drafted steps
     rows: _Average = field(default_factory=_Average)  # requests emitting in drafted steps
@@ -249,15 +254,23 @@ class GoodputGuard:
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
         if b.plain.steps == 0 or (b.seconds.steps and since >= c.control_close
-                                  and since >= (c.control_every if clear else self._control_every(c, b))):
+                                  and since >= (c.control_every if clear else self._reference_every(c, b))):
             return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
         return Mode.DRAFT
 
-    def _control_every(self, c: GuardConfig, b: _Bucket) -> int:
+    def _reference_every(self, c: GuardConfig, b: _Bucket) -> int:
         """Steps between plain references: fewer while drafting's measured gain is close to plain's,
         where a reference a few percent off (taken while the cost model was still learning, or
         at other contexts) decides the judgment; many where drafts clearly pay (each control step
-        gives up their gain)."""
+        gives up their gain). And few until the shape has `first_references` of them: its first
+        plain step alone is a poor reference (on ShareGPT at batch 8 on the bundled model it took
+        1.5x its predicted time, so drafts that lost read as 1.6x plain's rate, too far from it for
+        a control before 64 steps, and a shape drafted at a loss for its first 160-230 steps while
+        that one step was washed out of the average; BENCHMARKS.md, session 37). The reference is
+        the median of those first ones (a mean still carries a slow one for long), then a moving
+        average from there."""
+        if b.plain.steps < c.first_references:
+            return c.control_close
         return c.control_close if abs(b.gain() - 1.0) < c.close else c.control_every
 
     def _clearly_pays(self, key: tuple[int, int, str], b: _Bucket) -> bool:
@@ -319,7 +332,12 @@ class GoodputGuard:
         c = self._config(key)
         b = self._bucket(key)
         if not drafted:  # modelled: the step's time over its predicted time (how the model misses plain steps)
-            b.plain.add(seconds if b.modelled else seconds / tokens, c.decay)
+            x = seconds if b.modelled else seconds / tokens
+            if len(b.first_plain) < c.first_references:  # the reference is their median, then moves with `decay`
+                b.first_plain.append(x)
+                b.plain.value, b.plain.steps = statistics.median(b.first_plain), b.plain.steps + 1
+            else:
+                b.plain.add(x, c.decay)
             b.last_plain = step_no
             return
         if b.plain.steps == 0:
