@@ -649,6 +649,46 @@ def test_short_real_sweep_writes_json_markdown_and_plot(tiny_llama: Path, tmp_pa
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_sweep_in_rounds_measures_configurations_in_turn_on_fresh_servers(tiny_llama: Path, tmp_path: Path) -> None:
+    """Protects `--rounds`: each round the configurations' servers are started fresh and up
+    together, measured A B then B A, every round a row in the JSON, and the table each
+    configuration's medians over the rounds."""
+    dataset = _write_spec_bench(tmp_path / "sb.jsonl", {"writing": 4})
+    out = tmp_path / "out"
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "specserve.cli", "bench", "serve",
+           "--launch", f"--model {tiny_llama} --threads 1 --max-model-len 512",
+           "--configs", "a:--spec none", "b:--spec ngram --spec-tokens 3 --spec-controller fixed",
+           "--rounds", "2", "--request-rates", "inf", "--num-prompts", "3", "--output-len", "6", "--dataset", str(dataset),
+           "--tokenizer", str(tiny_llama), "--no-progress", "--startup-timeout", "120", "--server-log-dir", str(logs),
+           "--json", str(out / "r.json"), "--report", str(out / "r.md")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "r.json").read_text())
+    assert [(r["config"], r["round"]) for r in data["rows"]] == [("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+    assert all(r["completed"] == 3 and r["total_output_tokens"] == 18 for r in data["rows"])
+    assert data["rounds"] == 2 and len({r["server_command"] for r in data["rows"]}) == 4  # a server (port) each
+    assert sorted(p.name for p in logs.iterdir()) == ["a-rateinf-round0.log", "a-rateinf-round1.log",
+                                                       "b-rateinf-round0.log", "b-rateinf-round1.log"]
+    by_config = {c: sorted(r["mean_e2el_ms"] for r in data["rows"] if r["config"] == c) for c in "ab"}
+    md = (out / "r.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| config |")).split("|")
+    table = [line.split("|") for line in md.splitlines() if line.startswith(("| a |", "| b |"))]
+    assert len(table) == 2 and all(cells[header.index(" rounds ")].strip() == "2" for cells in table)  # a row each
+    for cells, c in zip(table, "ab"):
+        e2el = float(cells[header.index(" E2EL mean ")])
+        assert abs(e2el - sum(by_config[c]) / 2) <= 1  # the median of two rounds
+
+
+def test_rounds_are_for_launched_servers() -> None:
+    with pytest.raises(ValueError, match="^rounds:"):
+        SweepPlan((1.0,), base_url="http://127.0.0.1:1", rounds=2)
+    with pytest.raises(ValueError, match="^rounds:"):
+        SweepPlan((1.0,), (ServerConfig("a", ()),), reuse_server=True, rounds=2)
+    with pytest.raises(ValueError, match="^rounds:"):
+        SweepPlan((1.0,), (ServerConfig("a", ()),), rounds=0)
+
+
 def test_weight_bytes_counts_every_kernel_layout() -> None:
     """The roofline's weight bytes: dense, oneDNN-blocked (no storage pointer) and quantized
     kernels are all counted, each once."""

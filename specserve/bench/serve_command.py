@@ -27,6 +27,7 @@ from specserve.bench.sweep import (
     Sweep,
     SweepPlan,
     SweepPoint,
+    median_rows,
     parse_rates,
     rate_label,
 )
@@ -74,6 +75,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--reuse-server", action="store_true",
                    help="one server per configuration for all rates (default: a fresh server per rate, so "
                         "caches warmed by the previous rate's identical prompts do not flatter later rates)")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="measure the configurations in turn, this many rounds (A B C, then C B A), each round and "
+                        "rate on fresh servers all up together; the table shows each configuration's medians "
+                        "(default 1: one configuration after another)")
     s.add_argument("--model-name", default=None, help="the request's `model` field (default: the first of /v1/models)")
     s.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a launched server gets to be healthy")
     s.add_argument("--server-log-dir", default=None, help="keep launched servers' logs here (default: a temp dir)")
@@ -123,10 +128,13 @@ def _plan(a: argparse.Namespace, rates: tuple[float, ...]) -> tuple[SweepPlan, a
         parsed = check_serve_args(shared, "launch")
         configs = (ServerConfig(str(parsed.spec), tuple(shared)),)
     elif a.base_url:
+        if a.rounds != 1:
+            raise ValueError("rounds: measures launched servers in turn; not with --base-url")
         return SweepPlan(rates, base_url=a.base_url), None
     else:
         raise ValueError("base_url: give --base-url URL, --launch 'SERVE ARGS' or --configs NAME:ARGS ...")
-    plan = SweepPlan(rates, configs, reuse_server=a.reuse_server, startup_timeout_s=a.startup_timeout, log_dir=log_dir)
+    plan = SweepPlan(rates, configs, reuse_server=a.reuse_server, startup_timeout_s=a.startup_timeout, log_dir=log_dir,
+                     rounds=a.rounds)
     return plan, check_serve_args(configs[0].serve_args, f"configs[{configs[0].name}]")
 
 
@@ -215,6 +223,10 @@ def run_serve_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     points = Sweep(plan, load, draw.samples, count_tokens, on_point=show).run()
     rows = [p.row(load, len(draw.samples)) for p in points]
     columns = SERVE_COLUMNS + ((GOODPUT_COLUMN,) if not slo.empty else ())
+    shown = None
+    if plan.rounds > 1:  # the table: each configuration's medians over the rounds (the JSON keeps every round)
+        shown = tuple(median_rows(rows, [c.key for c in columns if c.key not in ("config", "request_rate")]))
+        columns = columns[:2] + (Column("rounds", "rounds"),) + columns[2:]
     title = (f"specserve bench serve: {dataset.name}, {len(draw.samples)} prompts per rate, "
              f"{', '.join(plan.config_names)}")
     report = BenchReport(title, tuple(rows), columns, fields={
@@ -222,11 +234,11 @@ def run_serve_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         "request_rates": list(rates), "burstiness": a.burstiness, "max_concurrency": a.max_concurrency,
         "output_len": a.output_len, "temperature": a.temperature, "ignore_eos": not a.no_ignore_eos,
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms},
-        "base_url": a.base_url, "reuse_server": a.reuse_server,
+        "base_url": a.base_url, "reuse_server": a.reuse_server, "rounds": plan.rounds,
         "threads": _server_threads(plan),
         "configs": [{"name": c.name, "serve_args": list(c.serve_args)} for c in plan.configs],
         "dataset_draw": {"examined": draw.examined, "kept": len(draw.samples), "dropped": dict(draw.dropped)},
-    })
+    }, shown_rows=shown)
     print()
     print(report.table())
     if paths.json is not None:
@@ -234,7 +246,7 @@ def run_serve_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     if paths.plot is not None:
         from specserve.bench.plots import plot_rate_sweep
 
-        plot_rate_sweep(paths.plot, rows, title)
+        plot_rate_sweep(paths.plot, list(shown or rows), title)
     if paths.report is not None:
         sections = [("Workload", _workload_section(a, draw, load, dataset.name)),
                     ("Servers", _servers_section(plan, points)), ("Definitions", DEFINITIONS)]

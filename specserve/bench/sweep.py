@@ -6,6 +6,14 @@ every point starts with cold caches: the same prompts are sent at every rate, an
 cache or suffix-drafter cache from the previous rate would otherwise make later rates look better
 (`reuse_server` keeps one server per configuration, as a faster but biased option). Against a
 server given by URL there is one configuration, named `server`.
+
+With `rounds` above 1 the configurations are measured in turn rather than one after another: for
+each round and rate every configuration's server is started fresh, all of them are up together
+(idle but for the one measured), and they are measured in the order A B C, then C B A in the next
+round. On a shared VM whose speed drifts by 10-15% over minutes (two `--spec none` servers measured
+one after the other on a 2-core Xeon: 312 and 330 output tok/s, then 344 and 298), a configuration
+measured later is judged on another machine; in turn, each configuration sees each stretch of the
+run, and the medians over rounds say which is faster.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ import math
 import re
 import shlex
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,10 +82,16 @@ class SweepPlan:
     reuse_server: bool = False
     startup_timeout_s: float = 600.0
     log_dir: Path | None = None
+    rounds: int = 1  # above 1: the configurations measured in turn, each round on fresh servers
 
     def __post_init__(self) -> None:
         if not self.rates:
             raise ValueError("request_rates: give at least one rate")
+        if self.rounds < 1:
+            raise ValueError(f"rounds: must be >= 1, got {self.rounds}")
+        if self.rounds > 1 and (self.base_url or self.reuse_server):
+            raise ValueError("rounds: measures launched servers in turn, each round on fresh ones; "
+                             "not with --base-url or --reuse-server")
         if bool(self.configs) == bool(self.base_url):
             raise ValueError("base_url: give exactly one of --base-url or server configurations to launch")
         names = [c.name for c in self.configs]
@@ -95,9 +111,11 @@ class SweepPoint:
     rate: float
     run: LoadRun
     server_command: str | None
+    round: int = 0
 
     def row(self, load: LoadConfig, num_prompts: int) -> dict[str, object]:
-        return {"config": self.config, "request_rate": self.rate, "burstiness": load.arrivals.burstiness,
+        return {"config": self.config, "request_rate": self.rate, "round": self.round,
+                "burstiness": load.arrivals.burstiness,
                 "max_concurrency": load.max_concurrency, "num_prompts": num_prompts, **self.run.row(),
                 "server_command": self.server_command, "requests": [r.record() for r in self.run.results]}
 
@@ -126,6 +144,9 @@ class Sweep:
             for rate in plan.rates:
                 yield self._measure(EXTERNAL, rate, plan.base_url, None)
             return
+        if plan.rounds > 1:
+            yield from self._in_turn(log_dir)
+            return
         for config in plan.configs:
             command = ServeCommand(config.serve_args)
             if plan.reuse_server:
@@ -138,14 +159,70 @@ class Sweep:
                 with LaunchedServer(command, log, plan.startup_timeout_s) as server:
                     yield self._measure(config.name, rate, server.base_url, server.shown_command)
 
-    def _measure(self, config: str, rate: float, base_url: str, command: str | None) -> SweepPoint:
+    # A launched server collapses its weights into 2 MB pages on a thread of its own once it is up
+    # (`--huge-pages auto`): measured before that, a configuration's first run would time 4 KB pages.
+    # Wait for each server's log line saying it is through (`settled`), this long at most.
+    SETTLE_S = 60.0
+
+    def _in_turn(self, log_dir: Path) -> Iterator[SweepPoint]:
+        """Every round and rate: all configurations' servers started fresh and up together, then
+        measured in turn, the order reversed every other round."""
+        plan = self.plan
+        for r in range(plan.rounds):
+            order = plan.configs if r % 2 == 0 else plan.configs[::-1]
+            for rate in plan.rates:
+                with ExitStack() as stack:
+                    servers = {}
+                    for config in plan.configs:
+                        log = log_dir / f"{config.name}-rate{rate_label(rate)}-round{r}.log"
+                        servers[config.name] = stack.enter_context(
+                            LaunchedServer(ServeCommand(config.serve_args), log, plan.startup_timeout_s))
+                    settled(list(servers.values()), self.SETTLE_S)
+                    for config in order:
+                        server = servers[config.name]
+                        yield self._measure(config.name, rate, server.base_url, server.shown_command, r)
+
+    def _measure(self, config: str, rate: float, base_url: str, command: str | None, round_: int = 0) -> SweepPoint:
         load = dataclasses.replace(
             self.load, base_url=base_url, arrivals=dataclasses.replace(self.load.arrivals, rate=rate),
-            label=f"{config} @ {rate_label(rate)} req/s")
-        point = SweepPoint(config, rate, LoadGenerator(load, self._count).run(self.samples), command)
+            label=f"{config} @ {rate_label(rate)} req/s" + (f", round {round_ + 1}" if self.plan.rounds > 1 else ""))
+        point = SweepPoint(config, rate, LoadGenerator(load, self._count).run(self.samples), command, round_)
         if self._on_point is not None:
             self._on_point(point)
         return point
+
+
+COLLAPSING = "into huge pages in the background"  # a server's log line as its weights' collapse starts
+COLLAPSED = "regions collapsed into huge pages"  # ... and as it is through (specserve.model.huge_pages)
+
+
+def settled(servers: Sequence[LaunchedServer], timeout_s: float) -> None:
+    """Wait until every server that started collapsing its weights into 2 MB pages (`--huge-pages
+    auto` on a CPU whose kernel can) says it is through, at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(servers)
+    while waiting and time.monotonic() < deadline:
+        waiting = [s for s in waiting if COLLAPSING in (log := s.log_tail(1 << 20)) and COLLAPSED not in log]
+        if waiting:
+            time.sleep(0.5)
+
+
+def median_rows(rows: Sequence[dict[str, object]], fields: Sequence[str]) -> list[dict[str, object]]:
+    """Per (config, rate), in first-seen order: the median over rounds of each numeric field in
+    `fields`, and `rounds`, how many rounds."""
+    import statistics
+
+    groups: dict[tuple[object, object], list[dict[str, object]]] = {}
+    for row in rows:
+        groups.setdefault((row["config"], row["request_rate"]), []).append(row)
+    out = []
+    for (config, rate), group in groups.items():
+        merged: dict[str, object] = {"config": config, "request_rate": rate, "rounds": len(group)}
+        for name in fields:
+            values = [g[name] for g in group if isinstance(g.get(name), (int, float)) and not isinstance(g.get(name), bool)]
+            merged[name] = statistics.median(values) if values else None
+        out.append(merged)
+    return out
 
 
 def rate_label(rate: float) -> str:

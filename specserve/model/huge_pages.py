@@ -234,6 +234,7 @@ class PageCollapse:
     _thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> "PageCollapse":
+        logger.info("weights: collapsing %d 2 MB regions into huge pages in the background", len(self.regions))
         self._thread = threading.Thread(target=self.run, name="specserve-huge-pages", daemon=True)
         self._thread.start()
         return self
