@@ -678,6 +678,10 @@ def test_sweep_in_rounds_measures_configurations_in_turn_on_fresh_servers(tiny_l
     for cells, c in zip(table, "ab"):
         e2el = float(cells[header.index(" E2EL mean ")])
         assert abs(e2el - sum(by_config[c]) / 2) <= 1  # the median of two rounds
+    rows = {(r["config"], r["round"]): r for r in data["rows"]}
+    ratio = sum(rows["b", k]["p99_tpot_ms"] / rows["a", k]["p99_tpot_ms"] for k in (0, 1)) / 2  # each round's, then their median
+    assert abs(float(table[1][header.index(" TPOT p99 / a ")]) - ratio) <= 0.002
+    assert float(table[0][header.index(" TPOT p99 / a ")]) == 1.0
 
 
 def test_rounds_are_for_launched_servers() -> None:

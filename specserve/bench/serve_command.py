@@ -224,9 +224,14 @@ def run_serve_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = [p.row(load, len(draw.samples)) for p in points]
     columns = SERVE_COLUMNS + ((GOODPUT_COLUMN,) if not slo.empty else ())
     shown = None
-    if plan.rounds > 1:  # the table: each configuration's medians over the rounds (the JSON keeps every round)
+    if plan.rounds > 1:  # the table: each configuration's medians over the rounds (the JSON keeps every round),
+        # and the medians of its ratios to the first configuration's figures in the same round
         shown = tuple(median_rows(rows, [c.key for c in columns if c.key not in ("config", "request_rate")]))
-        columns = columns[:2] + (Column("rounds", "rounds"),) + columns[2:]
+        first = plan.config_names[0]
+        columns = columns[:2] + (Column("rounds", "rounds"),) + columns[2:] + (
+            Column("output_throughput_ratio", f"tok/s / {first}", ".3f"),
+            Column("mean_tpot_ms_ratio", f"TPOT mean / {first}", ".3f"),
+            Column("p99_tpot_ms_ratio", f"TPOT p99 / {first}", ".3f"))
     title = (f"specserve bench serve: {dataset.name}, {len(draw.samples)} prompts per rate, "
              f"{', '.join(plan.config_names)}")
     report = BenchReport(title, tuple(rows), columns, fields={

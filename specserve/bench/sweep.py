@@ -207,20 +207,35 @@ def settled(servers: Sequence[LaunchedServer], timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+RATIO_FIELDS = ("output_throughput", "mean_tpot_ms", "p99_tpot_ms")  # judged against the first configuration
+
+
 def median_rows(rows: Sequence[dict[str, object]], fields: Sequence[str]) -> list[dict[str, object]]:
     """Per (config, rate), in first-seen order: the median over rounds of each numeric field in
-    `fields`, and `rounds`, how many rounds."""
+    `fields`, `rounds` (how many), and for each of RATIO_FIELDS `<field>_ratio`, the median over
+    rounds of its value over the first configuration's in the same round and rate (the machine's
+    drift between rounds divides out)."""
     import statistics
+
+    def number(row: dict[str, object], name: str) -> float | None:
+        value = row.get(name)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     groups: dict[tuple[object, object], list[dict[str, object]]] = {}
     for row in rows:
         groups.setdefault((row["config"], row["request_rate"]), []).append(row)
+    first = rows[0]["config"] if rows else None
+    base = {(row["request_rate"], row.get("round")): row for row in rows if row["config"] == first}
     out = []
     for (config, rate), group in groups.items():
         merged: dict[str, object] = {"config": config, "request_rate": rate, "rounds": len(group)}
         for name in fields:
-            values = [g[name] for g in group if isinstance(g.get(name), (int, float)) and not isinstance(g.get(name), bool)]
+            values = [v for g in group if (v := number(g, name)) is not None]
             merged[name] = statistics.median(values) if values else None
+        for name in RATIO_FIELDS:
+            ratios = [v / b for g in group if (ref := base.get((rate, g.get("round")))) is not None
+                      and (v := number(g, name)) is not None and (b := number(ref, name))]
+            merged[f"{name}_ratio"] = statistics.median(ratios) if ratios else None
         out.append(merged)
     return out
 
