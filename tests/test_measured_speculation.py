@@ -156,7 +156,7 @@ def test_a_slow_first_plain_step_does_not_keep_losing_drafts_on() -> None:
     ShareGPT at batch 8 on the bundled model, 160-230 steps drafted at a loss). The first references
     come every `control_close` steps and their median is the reference: the shape goes off by the
     third."""
-    def first_off(first_references: int) -> int:
+    def first_off(first_references: int, verified: bool = True) -> int:
         guard = GoodputGuard(GuardConfig(min_steps=3, control_every=64, control_close=8, close=0.25,
                                          first_references=first_references))
         for n in range(300):
@@ -164,8 +164,10 @@ def test_a_slow_first_plain_step_does_not_keep_losing_drafts_on() -> None:
             if mode is Mode.PLAIN:  # the first plain step slow, the later ones as plain steps are
                 seconds = 8 * 0.010 * (1.5 if n == 0 else 1.0)
                 guard.record_step(KEY, {"d": mode}, n, set(), seconds, 8, 8)
-            elif mode is Mode.DRAFT:
+            elif mode is Mode.DRAFT and verified:
                 guard.record_step(KEY, {"d": mode}, n, {"d"}, 9 * 0.0105, 9, 8)  # 9 tokens, each 5% slower
+            elif mode is Mode.DRAFT:  # the drafters asked, nothing verified: 5% slower for the asking
+                guard.record_step(KEY, {"d": mode}, n, set(), 8 * 0.0105, 8, 8)
             else:
                 return n
             if guard.stats().turned_off:
@@ -174,6 +176,8 @@ def test_a_slow_first_plain_step_does_not_keep_losing_drafts_on() -> None:
 
     assert first_off(4) <= 32
     assert first_off(1) > 64  # one reference, read for 64 steps: the drafts lost all that time
+    # steps that only asked (lookups exploring) take references too: else the slow first one stays
+    assert first_off(4, verified=False) <= 32
 
 
 def test_drafts_that_were_all_rejected_never_count_as_paying_whatever_the_clock_says() -> None:

@@ -253,9 +253,11 @@ class GoodputGuard:
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
-        if b.plain.steps == 0 or (b.seconds.steps and since >= c.control_close
+        if b.plain.steps == 0 or ((b.seconds.steps or b.asked_seconds.steps) and since >= c.control_close
                                   and since >= (c.control_every if clear else self._reference_every(c, b))):
-            return Mode.PLAIN  # the reference first, and again when it is old (the gain read only then)
+            # the reference first, and again when it is old (the gain read only then): also where the
+            # drafters were only asked (lookups exploring, nothing verified), whose gain is read against it
+            return Mode.PLAIN
         return Mode.DRAFT
 
     def _reference_every(self, c: GuardConfig, b: _Bucket) -> int:
