@@ -875,6 +875,25 @@ def test_with_no_request_waiting_the_part_of_a_step_not_per_request_counts_the_s
     assert eight and all(eight.values()), eight
 
 
+def test_at_latency_rows_drafts_that_speed_all_but_one_request_are_switched_off(tiny_llama: Path) -> None:
+    """At `Speculator.LATENCY_ROWS` requests or more, none waiting, a step with drafting on is
+    valued as if every request got the tokens of the one drafting speeds least, whatever the cost
+    model's `fixed_share`: drafts always accepted for fifteen of sixteen requests and always rejected
+    for the sixteenth pay only by slowing it, and every sixteen-request shape ends off (the p99 TPOT
+    at 24 requests at once was 1.25x plain's before). Outputs are plain decoding's."""
+    prompts = random_prompts(16, seed=44)
+    greedy = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama), max_num_seqs=16).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative="suffix", max_num_seqs=16)  # one drafter: one bucket a shape
+    speculator = llm.engine.speculator
+    speculator.controller.fixed_share = lambda shape, rows: 0.0  # every token would count, but for the rule
+    continuations = {tuple(p): o for p, o in zip(prompts, plain)}
+    speculator.drafters = {name: OracleBut(continuations, tuple(prompts[5])) for name in speculator.drafters}
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    sixteen = {k: b.off for k, b in speculator.guard._buckets.items() if k[0] == 16}
+    assert sixteen and all(sixteen.values()), sixteen
+
+
 def test_fixed_share_is_what_one_request_fewer_would_not_save() -> None:
     """A step costs w0 + w1 x (forward(tokens) + c x context): with forward(t) = 2 + t ms, c = 0.01 ms
     a token of context, 8 requests of 100 tokens: 2 + 8 + 8 = 18 ms, of which one request fewer

@@ -220,6 +220,13 @@ class Speculator:
     # A drafter that learns from the target (top-k of its logits at every row: a cost on every step)
     # and has not drafted for a while learns from every LEARN_EVERY-th step only.
     LEARN_EVERY = 4
+    # At shapes of at least this many requests decoding (none waiting), the guard values a step with
+    # drafting on as if every request got the tokens of the request drafting speeds least
+    # (`_valued_tokens`): drafts are kept only where they slow nobody. Valued by throughput there, 24
+    # ShareGPT requests at once on the bundled model got 1.10x `none`'s tokens a second but a p99
+    # TPOT 1.25x `none`'s (two rounds each; the pace bound at slack 0 still 1.13x; BENCHMARKS.md,
+    # session 37): the requests drafts did not help paid for the others' verified rows.
+    LATENCY_ROWS = 16
 
     def __init__(
         self,
@@ -1005,11 +1012,14 @@ class Speculator:
         step (the cost model's `fixed_share`), as many tokens a request as the least of the rates,
         and for the rest every token. (On ShareGPT at batch 8 on the bundled model, `auto` saved
         2-5% of the steps while its steps cost 3-9% more forward and 0.6-1 ms more outside it, and
-        the sum of tokens read as a gain: BENCHMARKS.md, session 17.)"""
+        the sum of tokens read as a gain: BENCHMARKS.md, session 17.) At LATENCY_ROWS requests or
+        more, the whole step counts so: drafting pays there only where it slows no request."""
         total = float(sum(len(r.verdict.tokens) for r in done))  # type: ignore[union-attr]
         share = step.fixed_share
         if share is None or not rates or len(done) < 2 or len(rates) < len(done):
             return total
+        if len(done) >= self.LATENCY_ROWS:
+            share = 1.0
         return share * len(done) * min(rates) + (1.0 - share) * total
 
     def _learn_forced(self, hits: int, trials: int) -> None:
