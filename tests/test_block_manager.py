@@ -150,6 +150,34 @@ def test_drafts_leave_waiting_prompts_half_the_budget() -> None:
     assert [i.num_new_tokens for i in out.scheduled if i.seq is late] == [16 - 4 - drafts]
 
 
+def test_no_drafts_while_prompts_wait_behind_a_large_batch() -> None:
+    """While a request waits to be admitted and `Scheduler.ADMITTING_MAX_DECODES` or more are
+    scheduled, no decode gets draft slots (the prompt gets the budget); one fewer, they may take
+    half of it."""
+    from specserve.config import SchedulerConfig
+    from specserve.engine.scheduler import Scheduler
+
+    def drafts_with(decoding: int) -> tuple[int, int]:
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=32),
+                          BlockManager(num_blocks=256, block_size=4), draft_budget=lambda s: 8)
+        running = [seq([1, 2, 3], f"r{i}") for i in range(decoding)]
+        for s in running:
+            sched.add(s)
+        while sched.waiting:
+            sched.schedule()
+        for s in running:
+            s.num_computed_tokens = s.num_tokens
+            s.output_token_ids.append(9)
+        late = seq(list(range(1, 41)), "late")
+        sched.add(late)
+        out = sched.schedule()
+        return sum(i.draft_budget for i in out.scheduled), sum(i.num_new_tokens for i in out.scheduled if i.seq is late)
+
+    n = Scheduler.ADMITTING_MAX_DECODES
+    assert drafts_with(n) == (0, 40)
+    assert drafts_with(n - 1) == ((64 - (n - 1)) // 2, 64 - (n - 1) - (64 - (n - 1)) // 2)
+
+
 def test_a_trimmed_reservation_is_reused_first_and_cached_blocks_last() -> None:
     """A block released holding nothing cached (a draft reservation trimmed after its step) is the
     next one taken: step after step, a decode's reservation comes back to the same block instead of

@@ -130,14 +130,25 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
+    # While requests wait to be admitted and at least this many are scheduled, no draft slots at all.
+    # 48 ShareGPT requests at once on the bundled model: with drafts in the admission steps the p99
+    # TPOT (a 14-token request living only through them) was 1.23, 1.17, 1.06, 0.94 of plain's by
+    # round, without 0.96 and 1.03 (BENCHMARKS.md, session 37). At this size the guard keeps drafts
+    # only where they slow nobody (`Speculator.LATENCY_ROWS`), which it cannot know of a shape it
+    # has not judged yet.
+    ADMITTING_MAX_DECODES = 16
+
     def _grant_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], int]:
         """Give decoding requests draft slots from the token budget and free blocks left over. While
         requests wait to be admitted, drafts take at most half the budget left: they are granted
         before admission, and at 256 tokens a step 48 decodes' drafts left the waiting prompts so
-        little that one waited 10.5 s for its first token (BENCHMARKS.md, session 31)."""
+        little that one waited 10.5 s for its first token (BENCHMARKS.md, session 31); with
+        ADMITTING_MAX_DECODES or more scheduled, none."""
         out: list[ScheduledSeq] = []
         admitting = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
         room = budget // 2 if admitting else budget  # draft tokens this step, at most
+        if admitting and len(scheduled) >= self.ADMITTING_MAX_DECODES:
+            room = 0
         budget -= room
         for item in scheduled:
             seq = item.seq
