@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from specserve.bench.launcher import LaunchedServer, ServeCommand
+from specserve.bench.sweep import COLLAPSED
 
 
 def ask(port: int, model: str, tokens: int) -> float:
@@ -37,7 +38,7 @@ def run(name: str, args: str, a: argparse.Namespace) -> dict[str, object]:
     with LaunchedServer(command, Path(tempfile.mkstemp(suffix=".log")[1])) as server:
         rates = [round(ask(server.port, a.model, a.tokens), 1) for _ in range(a.requests)]
         huge = [line.split()[1] for line in open(f"/proc/{server.pid}/smaps_rollup") if line.startswith("AnonHuge")]
-    collapse = [line.strip() for line in server.log_tail(1 << 20).splitlines() if "collapsed into huge pages" in line]
+    collapse = [line.strip() for line in server.log_tail(1 << 20).splitlines() if COLLAPSED in line]
     row = {"config": name, "args": args, "tok_s": rates, "anon_huge_kb": int(huge[0]) if huge else None,
            "collapse_log": collapse[-1] if collapse else None}
     print(row, flush=True)

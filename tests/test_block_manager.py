@@ -151,15 +151,16 @@ def test_drafts_leave_waiting_prompts_half_the_budget() -> None:
 
 
 def test_no_drafts_while_prompts_wait_behind_a_large_batch() -> None:
-    """While a request waits to be admitted and `Scheduler.ADMITTING_MAX_DECODES` or more are
-    scheduled, no decode gets draft slots (the prompt gets the budget); one fewer, they may take
-    half of it."""
+    """While a request waits to be admitted and `admitting_max_decodes` (the engine's:
+    `Speculator.LATENCY_ROWS`) or more are scheduled, no decode gets draft slots (the prompt gets the
+    budget); one fewer, they may take half of it."""
     from specserve.config import SchedulerConfig
     from specserve.engine.scheduler import Scheduler
 
     def drafts_with(decoding: int) -> tuple[int, int]:
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=32),
-                          BlockManager(num_blocks=256, block_size=4), draft_budget=lambda s: 8)
+                          BlockManager(num_blocks=256, block_size=4), draft_budget=lambda s: 8,
+                          admitting_max_decodes=n)
         running = [seq([1, 2, 3], f"r{i}") for i in range(decoding)]
         for s in running:
             sched.add(s)
@@ -173,7 +174,7 @@ def test_no_drafts_while_prompts_wait_behind_a_large_batch() -> None:
         out = sched.schedule()
         return sum(i.draft_budget for i in out.scheduled), sum(i.num_new_tokens for i in out.scheduled if i.seq is late)
 
-    n = Scheduler.ADMITTING_MAX_DECODES
+    n = 16
     assert drafts_with(n) == (0, 40)
     assert drafts_with(n - 1) == ((64 - (n - 1)) // 2, 64 - (n - 1) - (64 - (n - 1)) // 2)
 

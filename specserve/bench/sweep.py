@@ -22,6 +22,7 @@ import dataclasses
 import math
 import re
 import shlex
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -215,8 +216,6 @@ def median_rows(rows: Sequence[dict[str, object]], fields: Sequence[str]) -> lis
     `fields`, `rounds` (how many), and for each of RATIO_FIELDS `<field>_ratio`, the median over
     rounds of its value over the first configuration's in the same round and rate (the machine's
     drift between rounds divides out)."""
-    import statistics
-
     def number(row: dict[str, object], name: str) -> float | None:
         value = row.get(name)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -114,7 +114,8 @@ class EngineCore:
         self.speculator: Speculator = build_speculator(self.speculative_config, config, self.runner, tokenizer,
                                                        draft_builder, ProbeCache())
         self.prompt_logprob_store = PromptLogprobStore(cache.block_size, num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap, self._scoring_prefix)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self._draft_cap, self._scoring_prefix,
+                                   admitting_max_decodes=Speculator.LATENCY_ROWS)
         self.draft_totals = DraftCounters()
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

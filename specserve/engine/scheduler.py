@@ -66,10 +66,18 @@ class Scheduler:
         block_manager: BlockManager,
         draft_budget: Callable[[Sequence], int] = no_speculation,
         scoring_prefix: Callable[[Sequence, list[int]], list[int]] = lambda seq, cached: [],
+        admitting_max_decodes: int = 1 << 30,
     ) -> None:
         """scoring_prefix(seq, cached): of the cached blocks found for a request that asks for
-        prompt logprobs, those it may use (cached K/V has no logits; by default none)."""
+        prompt logprobs, those it may use (cached K/V has no logits; by default none).
+        admitting_max_decodes: while requests wait to be admitted and at least this many are
+        scheduled, no draft slots at all (the engine passes `Speculator.LATENCY_ROWS`: at that size
+        drafts stay only where they slow nobody, which the guard cannot know of a shape it has not
+        judged yet; 48 ShareGPT requests at once on the bundled model, the p99 TPOT, a 14-token
+        request living only through the admission steps, was 1.23, 1.17, 1.06, 0.94 of plain's by
+        round with drafts there, 0.96 and 1.03 without; BENCHMARKS.md, session 37)."""
         self.config = config
+        self.admitting_max_decodes = admitting_max_decodes
         self.blocks = block_manager
         self.draft_budget = draft_budget
         self.scoring_prefix = scoring_prefix
@@ -130,24 +138,16 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    # While requests wait to be admitted and at least this many are scheduled, no draft slots at all.
-    # 48 ShareGPT requests at once on the bundled model: with drafts in the admission steps the p99
-    # TPOT (a 14-token request living only through them) was 1.23, 1.17, 1.06, 0.94 of plain's by
-    # round, without 0.96 and 1.03 (BENCHMARKS.md, session 37). At this size the guard keeps drafts
-    # only where they slow nobody (`Speculator.LATENCY_ROWS`), which it cannot know of a shape it
-    # has not judged yet.
-    ADMITTING_MAX_DECODES = 16
-
     def _grant_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], int]:
         """Give decoding requests draft slots from the token budget and free blocks left over. While
         requests wait to be admitted, drafts take at most half the budget left: they are granted
         before admission, and at 256 tokens a step 48 decodes' drafts left the waiting prompts so
         little that one waited 10.5 s for its first token (BENCHMARKS.md, session 31); with
-        ADMITTING_MAX_DECODES or more scheduled, none."""
+        `admitting_max_decodes` or more scheduled, none."""
         out: list[ScheduledSeq] = []
         admitting = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
         room = budget // 2 if admitting else budget  # draft tokens this step, at most
-        if admitting and len(scheduled) >= self.ADMITTING_MAX_DECODES:
+        if admitting and len(scheduled) >= self.admitting_max_decodes:
             room = 0
         budget -= room
         for item in scheduled:

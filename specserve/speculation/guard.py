@@ -254,13 +254,13 @@ class GoodputGuard:
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
         if b.plain.steps == 0 or ((b.seconds.steps or b.asked_seconds.steps) and since >= c.control_close
-                                  and since >= (c.control_every if clear else self._reference_every(c, b))):
+                                  and since >= self._reference_every(c, b, clear)):
             # the reference first, and again when it is old (the gain read only then): also where the
             # drafters were only asked (lookups exploring, nothing verified), whose gain is read against it
             return Mode.PLAIN
         return Mode.DRAFT
 
-    def _reference_every(self, c: GuardConfig, b: _Bucket) -> int:
+    def _reference_every(self, c: GuardConfig, b: _Bucket, clear: bool = False) -> int:
         """Steps between plain references: fewer while drafting's measured gain is close to plain's,
         where a reference a few percent off (taken while the cost model was still learning, or
         at other contexts) decides the judgment; many where drafts clearly pay (each control step
@@ -270,9 +270,13 @@ class GoodputGuard:
         a control before 64 steps, and a shape drafted at a loss for its first 160-230 steps while
         that one step was washed out of the average; BENCHMARKS.md, session 37). The reference is
         the median of those first ones (a mean still carries a slow one for long), then a moving
-        average from there."""
+        average from there.
+        `clear`: another drafter's clearly pays at the shape (batch 1, `modes`): a control every
+        `control_every` once the first references are in."""
         if b.plain.steps < c.first_references:
             return c.control_close
+        if clear:
+            return c.control_every
         return c.control_close if abs(b.gain() - 1.0) < c.close else c.control_every
 
     def _clearly_pays(self, key: tuple[int, int, str], b: _Bucket) -> bool:
