@@ -364,15 +364,18 @@ def test_a_drafter_that_clearly_pays_spares_the_shape_the_close_drafters_control
     """The plain reference is the shape's: at batch 1, beside a drafter whose drafts clearly pay
     (1.5x), one whose gain is close to plain's (1.1x) does not make every `control_close`-th step
     plain (a control step gives up the step's drafts, whichever drafter's); alone, or at batch 8
-    (where it was not measured), it does."""
+    (where it was not measured), it does. The shape's first `first_references` come every
+    `control_close` steps either way (one step is a poor reference)."""
     one = GoodputGuard.key(1, 100)
     for gains, key, every in (({"good": 1.5, "close": 1.1}, one, 64), ({"close": 1.1}, one, 8),
                               ({"good": 1.5, "close": 1.1}, KEY, 8)):
-        guard = GoodputGuard(GuardConfig(control_every=64, control_close=8, close=0.25))
+        guard = GoodputGuard(GuardConfig(control_every=64, control_close=8, close=0.25, first_references=4))
         said = run_drafters(guard, 300, 0, gains, key=key)
         plain = [i for i, m in enumerate(said) if set(m.values()) == {Mode.PLAIN}]
         assert guard.stats().turned_off == 0
-        assert plain[0] == 0 and len(plain) > 2 and all(b - a == every for a, b in zip(plain[1:], plain[2:])), plain
+        gaps = [b - a for a, b in zip(plain, plain[1:])]
+        assert plain[0] == 0 and gaps[:3] == [8, 8, 8] and len(gaps) > 4, plain
+        assert all(g == every for g in gaps[3:]), plain  # controls only, after the four references
 
 
 def test_drafters_never_judged_at_a_shape_go_off_with_the_first_that_loses_there() -> None:
