@@ -31,9 +31,10 @@ for a probe now and then (after `probe_after` steps, doubling after every probe 
 `probe_max`), a step on which every decode drafts with the drafters that are off (the controller's
 choice, at least one node each); a probe that pays turns the bucket back on. A probe that verified
 none of a drafter's trees (it proposed nothing, or another's tree was valued more) did not lose (see
-`record_step`). The waits start short again, and a probe comes at once,
-when every request the drafts lost with has left the bucket's steps: their loss says nothing of
-the requests that came after (at batch 1, the next request).
+`record_step`). A probe comes at once when every request the drafts lost with has left the
+bucket's steps: their loss says nothing of the requests that came after (at batch 1, the next
+request, and there the waits start short again too; at a shape of several requests they keep
+their length, as the loss may be the shape's).
 
 Each drafter has its own bucket at each shape (`modes`, `record_step`): a drafted step is judged in
 the buckets of the drafters whose trees it verified, a plain step is every drafter's reference. So
@@ -89,12 +90,15 @@ class GuardConfig:
     # at shapes of at most this many requests (a loss at batch 1 is the request's; at larger shapes
     # it may be the shape's cost, which new requests do not change)
     fresh_requests_rows: int = 1 << 30
+    # ... and there the waits also start short again only at shapes of at most this many requests;
+    # at larger ones the probe comes at once but the wait keeps its length (see `_say`)
+    fresh_short_rows: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
         for name in ("min_steps", "control_every", "control_close", "first_references", "probe_after", "probe_max", "probe_steps",
-                     "fresh_requests_rows"):
+                     "fresh_requests_rows", "fresh_short_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
         if self.close < 0:
@@ -248,8 +252,14 @@ class GoodputGuard:
         if b.off and requests and b.off_for and not requests & b.off_for and key[0] <= c.fresh_requests_rows:
             # every request the drafts lost with has left: that loss says nothing of these (at batch
             # 1, one request that drafts badly would else keep drafting off for the next ones for up
-            # to probe_max steps), so a probe comes soon, and the waits start short again
-            b.wait, b.next_probe, b.off_for = 0, min(b.next_probe, step_no + 1), frozenset()
+            # to probe_max steps), so a probe comes at once. At batch 1 the waits start short again
+            # too; at a shape of several requests they keep their length: there the requests turn
+            # over every ~128 steps, and waits started short again at each turnover made 4-5 probes
+            # of it (on ShareGPT at batch 8 on the bundled model, each probe a drafted step costing
+            # ~1.9x a plain one: 1-2% of the run; BENCHMARKS.md, session 38)
+            if key[0] <= c.fresh_short_rows:
+                b.wait = 0
+            b.next_probe, b.off_for = min(b.next_probe, step_no + 1), frozenset()
         if b.off:  # a probe is judged against this shape's own plain steps: one comes first
             return Mode.PROBE if (step_no >= b.next_probe or b.probed) and b.plain.steps else Mode.PLAIN
         since = step_no - b.last_plain
