@@ -2,13 +2,16 @@
 what its plain reference and the gain read on the way: every transition (the step, the bucket,
 whether a probe turned it on) and, every --every steps, each bucket of --rows requests that has
 been judged (the reference, the gain, on or off). The modes the guard said per shape are counted
-at the end ("pp": plain for both drafters, "dd": both on, ...).
+at the end ("pp": plain for both drafters, "dd": both on, "xx": both probing, ...).
 
     python benchmarks/guard_timeline.py --dataset sharegpt --prompts 48 --batch 8
     python benchmarks/guard_timeline.py --dataset sharegpt --prompts 48 --batch 8 --first-references 1   # before session 37
+    python benchmarks/guard_timeline.py --dataset sharegpt --prompts 96 --batch 8 --guard fresh_short_rows=1073741824   # before session 38
 
 Session 37: with one plain step as the reference (--first-references 1), the batch-8 bucket on
 ShareGPT read drafts that lost as 1.4-2x plain's rate and stayed on for 160-230 steps.
+Session 38: with the waits between probes started short again whenever the requests turned over
+at batch 8 (--guard fresh_short_rows=1073741824), 4-5 probes came of every turnover.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="the bucket rows whose readings are printed every --every steps")
     ap.add_argument("--every", type=int, default=15)
     ap.add_argument("--first-references", type=int, help="the guard's first_references (default: its own)")
+    ap.add_argument("--guard", action="append", default=[], metavar="NAME=VALUE",
+                    help="a field of the lookups' GuardConfig (repeatable)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -46,8 +51,12 @@ def main() -> None:
     llm = LLM(a.model, max_num_seqs=a.batch, speculative={"method": "auto"})
     llm.wait_for_huge_pages()
     guard = llm.engine.core.speculator.guard
+    settings = dict(kv.split("=", 1) for kv in a.guard)
     if a.first_references is not None:
-        guard.config = dataclasses.replace(guard.config, first_references=a.first_references)
+        settings["first_references"] = str(a.first_references)
+    if settings:  # each value in the type of the field's default
+        guard.config = dataclasses.replace(guard.config, **{
+            k: type(getattr(guard.config, k))(float(v)) for k, v in settings.items()})
     events: list[dict[str, Any]] = []
     said: Counter[tuple[tuple[int, int], str]] = Counter()
 
@@ -61,7 +70,7 @@ def main() -> None:
 
     def traced_modes(shape: tuple[int, int], drafters: list[str], step_no: int, requests: frozenset[str] = frozenset()):
         out = modes(shape, drafters, step_no, requests)
-        said[shape, "".join(m.value[0] for m in out.values())] += 1
+        said[shape, "".join("x" if m is Mode.PROBE else m.value[0] for m in out.values())] += 1
         if shape[0] == a.rows and step_no % a.every == 0:
             for name in drafters:
                 if (r := reading((*shape, name))) is not None:

@@ -139,6 +139,32 @@ def test_at_a_shape_of_several_requests_new_requests_get_a_probe_but_the_waits_k
     assert probes == [401, 401 + 512]  # at once, then a wait of twice 256 (at batch 1: 401, 417, 449, ...)
 
 
+def test_a_shape_of_more_requests_than_latency_rows_starts_off_and_is_probed_in() -> None:
+    """Above `start_off_rows` requests (the engine's: `Speculator.LATENCY_ROWS`) drafts are kept only
+    where they slow nobody, which the guard cannot know of a shape it has not judged: such a shape
+    starts off, takes its plain reference, and its drafts are tried by a probe after `probe_after`
+    steps; a probe that pays turns it on. A step carrying a prompt chunk does not draft there
+    either (`off`). Smaller shapes start on, as before."""
+    from specserve.engine.drafting import LOOKUP_GUARD, MODEL_GUARD
+    from specserve.speculation.speculator import Speculator
+
+    assert LOOKUP_GUARD.start_off_rows == MODEL_GUARD.start_off_rows == Speculator.LATENCY_ROWS
+    config = GuardConfig(min_steps=3, probe_after=16, start_off_rows=16)
+    big, small = GoodputGuard.key(24, 24 * 100), GoodputGuard.key(16, 16 * 100)  # rows 17-32; 9-16
+    guard = GoodputGuard(config)
+    assert guard.off(big, ["d"]) == {"d"} and guard.off(small, ["d"]) == set()
+    modes = run(guard, 40, 0, plain_spt=0.010, drafted_spt=0.007, key=big)  # drafts that pay
+    assert modes[:16] == [Mode.PLAIN] * 16 and modes[16] is Mode.PROBE  # the reference, then a probe
+    assert guard.stats().turned_on == 1 and set(modes[17:]) <= {Mode.DRAFT, Mode.PLAIN} and Mode.DRAFT in modes[17:]
+    guard = GoodputGuard(config)
+    modes = run(guard, 40, 0, plain_spt=0.010, drafted_spt=0.012, key=big)  # drafts that lose: never on
+    assert set(modes) == {Mode.PLAIN, Mode.PROBE} and guard.stats().turned_on == 0
+    modes = run(GoodputGuard(config), 4, 0, plain_spt=0.010, drafted_spt=0.012, key=small)
+    assert modes == [Mode.PLAIN, Mode.DRAFT, Mode.DRAFT, Mode.DRAFT]  # on from the start
+    modes = run(GoodputGuard(GuardConfig(min_steps=3, probe_after=16)), 2, 0, plain_spt=0.010, drafted_spt=0.012, key=big)
+    assert modes == [Mode.PLAIN, Mode.DRAFT]  # without the setting
+
+
 def test_with_fresh_requests_rows_the_waits_start_short_again_only_at_shapes_that_small() -> None:
     """`fresh_requests_rows` (a draft model's guard: 1) keeps the long wait at a shape of more
     requests (KEY: 8) when new requests replace those the drafts lost with: there the loss may be

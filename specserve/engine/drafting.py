@@ -61,7 +61,10 @@ PROBE_SIZES = (1, 2, 4, 5, 8, 9, 16, 17, 32, 64, 128)
 # probes (a catch-up and forwards for every request) wait longer after each loss also as requests come
 # and go at batch 2 and up (ShareGPT at batch 8, continuous, `auto` with the 0.5B: 0.84x plain before,
 # 0.95x after, in one run each; BENCHMARKS.md, session 22).
-MODEL_GUARD = GuardConfig(decay=0.9, min_steps=8, probe_steps=4, fresh_requests_rows=1)
+MODEL_GUARD = GuardConfig(decay=0.9, min_steps=8, probe_steps=4, fresh_requests_rows=1,
+                          start_off_rows=Speculator.LATENCY_ROWS)
+# The lookups' guard: shapes of more than LATENCY_ROWS requests start off (`GuardConfig.start_off_rows`).
+LOOKUP_GUARD = GuardConfig(start_off_rows=Speculator.LATENCY_ROWS)
 
 
 class BlockPool:
@@ -280,7 +283,7 @@ def build_speculator(
         model = StepCostModel(ForwardProfile(costs.seconds), per_attended=costs.hot, per_context=costs.cold)
         controller = GoodputController(model, latency_slo=slo,
                                        latency_slack=spec.latency_slack, pace_slack=spec.pace_slack)
-        guard = GoodputGuard(per_drafter={n: MODEL_GUARD for n, d in drafters.items() if d.runs_a_model})
+        guard = GoodputGuard(LOOKUP_GUARD, per_drafter={n: MODEL_GUARD for n, d in drafters.items() if d.runs_a_model})
     return Speculator(drafters, sampler, verifier, spec.num_tokens, controller, guard=guard)
 
 

@@ -93,12 +93,16 @@ class GuardConfig:
     # ... and there the waits also start short again only at shapes of at most this many requests;
     # at larger ones the probe comes at once but the wait keeps its length (see `_say`)
     fresh_short_rows: int = 1
+    # a bucket whose steps all have more requests than this starts off, its drafts tried by a probe
+    # after `probe_after` steps (see `_bucket`); the speculator's builder sets it to the size from
+    # which drafts are kept only where they slow nobody (`Speculator.LATENCY_ROWS`)
+    start_off_rows: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"guard margin: must be in [0, 1), got {self.margin}")
         for name in ("min_steps", "control_every", "control_close", "first_references", "probe_after", "probe_max", "probe_steps",
-                     "fresh_requests_rows", "fresh_short_rows"):
+                     "fresh_requests_rows", "fresh_short_rows", "start_off_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"guard {name}: must be >= 1, got {getattr(self, name)}")
         if self.close < 0:
@@ -199,7 +203,7 @@ class GoodputGuard:
         drafter's bucket records. A plain reference for any bucket that is on makes the step plain
         for all; else an off bucket says PLAIN or PROBE, an on one DRAFT."""
         keys = {name: (*shape, name) for name in drafters}
-        buckets = {name: self._bucket(k) for name, k in keys.items()}
+        buckets = {name: self._bucket(k, step_no) for name, k in keys.items()}
         # The plain reference is the shape's, shared by its drafters, and a control step gives up the
         # gain of whichever drafter the step would have verified: where one clearly pays here, the
         # others' gains near plain's do not call for a control every `control_close` steps (on the
@@ -237,8 +241,9 @@ class GoodputGuard:
         while the guard kept 605 of 790 decode-only steps plain)."""
         out = set()
         for name in drafters:
-            b = self._buckets.get((*shape, name)) or self._nearest((*shape, name))
-            if b is not None and b.off:
+            key = (*shape, name)
+            b = self._buckets.get(key) or self._nearest(key)
+            if (b.off if b is not None else self._starts_off(key)):
                 out.add(name)
         return out
 
@@ -316,7 +321,7 @@ class GoodputGuard:
             if modelled:
                 seconds /= expected  # type: ignore[operator]
             for name in set(modes) | drafted_by:  # the units this step's records are in
-                self._bucket((*shape, name)).modelled = modelled
+                self._bucket((*shape, name), step_no).modelled = modelled
             if modes and all(m is Mode.PLAIN for m in modes.values()):
                 self._count(plain_steps=1)
             if drafted_by and Mode.PROBE in modes.values():
@@ -338,15 +343,15 @@ class GoodputGuard:
                 continue
             config = self._config((*shape, name))
             group = [b for n in drafted_by if modes.get(n) is Mode.PROBE and self._config((*shape, n)) is config
-                     and (b := self._bucket((*shape, n))).off]
+                     and (b := self._bucket((*shape, n), step_no)).off]
             if group:
-                b = self._bucket((*shape, name))
+                b = self._bucket((*shape, name), step_no)
                 b.wait, b.next_probe = max(g.wait for g in group), max(g.next_probe for g in group)
 
     def _record(self, key: tuple[int, int, str], mode: Mode, step_no: int, drafted: bool, seconds: float,
                 tokens: float, rows: int) -> None:
         c = self._config(key)
-        b = self._bucket(key)
+        b = self._bucket(key, step_no)
         if not drafted:  # modelled: the step's time over its predicted time (how the model misses plain steps)
             x = seconds if b.modelled else seconds / tokens
             if len(b.first_plain) < c.first_references:  # the reference is their median, then moves with `decay`
@@ -382,7 +387,7 @@ class GoodputGuard:
         """A step with the drafter on that verified nothing: its time is what being on costs where
         nothing is drafted (the asking, the learning); judged with the drafted steps in their share."""
         c = self._config(key)
-        b = self._bucket(key)
+        b = self._bucket(key, step_no)
         if b.plain.steps == 0 or b.off:
             return
         b.asked_seconds.add(seconds, c.decay)
@@ -404,9 +409,11 @@ class GoodputGuard:
         elif b.on_since >= c.control_every:
             b.wait = 0  # it paid for a while: a later loss starts from short probes again
 
-    def _bucket(self, key: tuple[int, int, str]) -> _Bucket:
+    def _bucket(self, key: tuple[int, int, str], step_no: int = 0) -> _Bucket:
         """The bucket at `key`; a new one starts off where the nearest context bucket with the same
-        rows and drafter is off (as the context grows, a shape where drafts lost is not tried afresh)."""
+        rows and drafter is off (as the context grows, a shape where drafts lost is not tried
+        afresh), and, with none to go by, where its steps have more than `start_off_rows`
+        requests: its probes decide (`_starts_off`)."""
         b = self._buckets.get(key)
         if b is None:
             n = self._nearest(key)
@@ -414,7 +421,23 @@ class GoodputGuard:
             if n is not None and n.off:
                 b.off, b.wait, b.next_probe = True, n.wait, n.next_probe
                 self._count(buckets_off=1)
+            elif n is None and self._starts_off(key):
+                c = self._config(key)
+                b.off, b.wait, b.next_probe = True, c.probe_after, step_no + c.probe_after
+                self._count(buckets_off=1)
         return b
+
+    def _starts_off(self, key: tuple[int, int, str]) -> bool:
+        """Whether a bucket never seen, at no context with its rows, starts off: where its steps all
+        have more than `start_off_rows` requests (a bucket of r > 4 rows holds steps of r/2 + 1 to
+        r). There drafts are kept only where they slow no request (`Speculator.LATENCY_ROWS`), which
+        the guard cannot know before it has judged the shape, and its first steps drafting would
+        slow every request decoding: 48 ShareGPT requests at once on the bundled model, the p99
+        TPOT, a 14-token request whose steps came when the last prompts were admitted and the
+        64-row shape was new, was 0.98, 1.11, 1.09, 0.97 of `none`'s by round (BENCHMARKS.md,
+        session 38)."""
+        rows = key[0]
+        return rows > 4 and rows // 2 >= self._config(key).start_off_rows
 
     def _nearest(self, key: tuple[int, int, str]) -> _Bucket | None:
         """The bucket with the same rows and drafter as `key` at the nearest other context, if any."""
