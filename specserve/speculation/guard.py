@@ -34,7 +34,9 @@ none of a drafter's trees (it proposed nothing, or another's tree was valued mor
 `record_step`). A probe comes at once when every request the drafts lost with has left the
 bucket's steps: their loss says nothing of the requests that came after (at batch 1, the next
 request, and there the waits start short again too; at a shape of several requests they keep
-their length, as the loss may be the shape's).
+their length, as the loss may be the shape's). A shape of more requests than `start_off_rows`
+starts off, its plain reference first, and a probe decides whether it drafts (there drafts are
+kept only where they slow no request, which nothing has judged of a new shape).
 
 Each drafter has its own bucket at each shape (`modes`, `record_step`): a drafted step is judged in
 the buckets of the drafters whose trees it verified, a plain step is every drafter's reference. So
