@@ -197,6 +197,12 @@ class GoodputGuard:
         context = max(attended // max(rows, 1), 1)
         return r, (context.bit_length() - 1) // 2
 
+    @staticmethod
+    def fewest_rows(bucket_rows: int) -> int:
+        """The fewest requests decoding in a step of the bucket whose rows `key` gave as
+        `bucket_rows` (up to 4 exact; above, a bucket of r holds r/2 + 1 to r)."""
+        return bucket_rows if bucket_rows <= 4 else bucket_rows // 2 + 1
+
     def modes(self, shape: tuple[int, int], drafters: list[str], step_no: int,
               requests: frozenset[str] = frozenset()) -> dict[str, Mode]:
         """The say on each drafter for a step of `shape` (`key`) decoding `requests`: each drafter
@@ -411,8 +417,9 @@ class GoodputGuard:
         elif b.on_since >= c.control_every:
             b.wait = 0  # it paid for a while: a later loss starts from short probes again
 
-    def _bucket(self, key: tuple[int, int, str], step_no: int = 0) -> _Bucket:
-        """The bucket at `key`; a new one starts off where the nearest context bucket with the same
+    def _bucket(self, key: tuple[int, int, str], step_no: int) -> _Bucket:
+        """The bucket at `key` (`step_no`: the step asking, from which a new one's first probe is
+        timed); a new one starts off where the nearest context bucket with the same
         rows and drafter is off (as the context grows, a shape where drafts lost is not tried
         afresh), and, with none to go by, where its steps have more than `start_off_rows`
         requests: its probes decide (`_starts_off`)."""
@@ -431,15 +438,13 @@ class GoodputGuard:
 
     def _starts_off(self, key: tuple[int, int, str]) -> bool:
         """Whether a bucket never seen, at no context with its rows, starts off: where its steps all
-        have more than `start_off_rows` requests (a bucket of r > 4 rows holds steps of r/2 + 1 to
-        r). There drafts are kept only where they slow no request (`Speculator.LATENCY_ROWS`), which
+        have more than `start_off_rows` requests (`fewest_rows`). There drafts are kept only where they slow no request (`Speculator.LATENCY_ROWS`), which
         the guard cannot know before it has judged the shape, and its first steps drafting would
         slow every request decoding: 48 ShareGPT requests at once on the bundled model, the p99
         TPOT, a 14-token request whose steps came when the last prompts were admitted and the
         64-row shape was new, was 0.98, 1.11, 1.09, 0.97 of `none`'s by round (BENCHMARKS.md,
         session 38)."""
-        rows = key[0]
-        return rows > 4 and rows // 2 >= self._config(key).start_off_rows
+        return self.fewest_rows(key[0]) > self._config(key).start_off_rows
 
     def _nearest(self, key: tuple[int, int, str]) -> _Bucket | None:
         """The bucket with the same rows and drafter as `key` at the nearest other context, if any."""
