@@ -20,26 +20,22 @@ import argparse
 import dataclasses
 import json
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
 
 
 def main() -> None:
+    from guard_variants import add_common_arguments  # beside this file
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dataset", default="sharegpt")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    add_common_arguments(ap)  # --model --dataset --prompts --batch --max-tokens --threads --json
+    ap.set_defaults(prompts=48)
     ap.add_argument("--rows", type=int, default=8, help="the bucket rows whose readings are printed every --every steps")
     ap.add_argument("--every", type=int, default=15)
     ap.add_argument("--first-references", type=int, help="the guard's first_references (default: its own)")
     ap.add_argument("--guard", action="append", default=[], metavar="NAME=VALUE",
                     help="a field of the lookups' GuardConfig (repeatable)")
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from specserve import LLM, SamplingParams
@@ -81,7 +77,7 @@ def main() -> None:
 
     def transitions(record: Any) -> Any:
         def traced(key: tuple[int, int, str], *args: Any, **kw: Any) -> None:
-            was = guard._bucket(key).off
+            was = guard._bucket(key, args[1]).off  # args: mode, step_no, ...
             record(key, *args, **kw)
             b = guard._buckets[key]
             if b.off != was:
@@ -96,7 +92,7 @@ def main() -> None:
     record_asked = guard._record_asked  # (key, step_no, seconds, tokens)
 
     def traced_asked(key: tuple[int, int, str], step_no: int, seconds: float, tokens: float) -> None:
-        was = guard._bucket(key).off
+        was = guard._bucket(key, step_no).off
         record_asked(key, step_no, seconds, tokens)
         if guard._buckets[key].off != was:
             events.append({"step": step_no, "bucket": list(key), "turned": "off", "by_probe": False})
