@@ -17,6 +17,7 @@ from specserve import LLM, SamplingParams
 from specserve.speculation.controller import ForwardProfile, StepCostModel, StepShape
 from specserve.speculation.drafter import Drafter, DraftRequest, RequestView
 from specserve.speculation.guard import GoodputGuard, GuardConfig, Mode
+from specserve.speculation.speculator import Speculator
 from specserve.speculation.tree import DraftTree, replay
 
 from conftest import random_prompts
@@ -651,6 +652,54 @@ def test_the_guard_turns_garbage_drafts_off_and_good_ones_back_on(tiny_llama: Pa
     # to 249 steps against 256 plain in repeated runs here, so not asserted.
     assert after.guard_probes > stats.guard_probes and after.accepted > stats.accepted
     assert speculator.guard.stats().turned_on >= 1
+
+
+@pytest.mark.parametrize("drafts", ["rejected", "accepted"])
+def test_in_the_engine_a_shape_of_more_than_latency_rows_requests_drafts_only_in_its_probes(
+        tiny_llama: Path, drafts: str) -> None:
+    """24 requests at once (`GuardConfig.start_off_rows`, `Speculator.LATENCY_ROWS`): at the shape
+    of 17-32 requests no decode-only step drafts before the guard's first probe, `probe_after` steps
+    after the shape's first, and no step carrying a prompt chunk beside that many requests drafts.
+    The prompts come 64 tokens a step, so the last ones are chunked beside 17 or more decodes, of
+    which the token budget leaves draft slots for a few (the guard reads the shape of all of them).
+    Drafts always rejected: only probes draft there. Drafts always accepted: the controller would
+    draft wherever it may (on this tiny model at this shape a probe does not pay: the guard's unit
+    tests turn shapes back on). Outputs are plain decoding's. Checked at each step the speculator
+    proposed for, from what it returned and what the guard said."""
+    prompts = random_prompts(24, seed=45, low=30, high=60)
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    options = dict(max_num_seqs=24, max_num_batched_tokens=64)
+    plain = [o.token_ids for o in LLM(str(tiny_llama), **options).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative="suffix", **options)  # one drafter: one bucket a shape
+    speculator = llm.engine.speculator
+    if drafts == "rejected":
+        unused = next(t for t in range(256) if all(t not in p for p in plain))
+        speculator.drafters = {name: Garbage(unused) for name in speculator.drafters}
+    else:
+        continuations = {tuple(p): o for p, o in zip(prompts, plain)}
+        speculator.drafters = {name: Oracle(continuations) for name in speculator.drafters}
+    seen: list[tuple[int, bool, int, frozenset]] = []  # (requests sampling, decode-only, drafted rows, modes)
+    propose = speculator.propose
+
+    def spying(decodes, base, sampling_rows, waiting=0):
+        drafted = propose(decodes, base, sampling_rows, waiting)
+        said = speculator._step.guard
+        seen.append((sampling_rows, base.tokens == sampling_rows, len(drafted),
+                     frozenset(said[1].values()) if said is not None else frozenset()))
+        return drafted
+
+    speculator.propose = spying  # type: ignore[method-assign]
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    big = [(i, *s) for i, s in enumerate(seen) if s[0] > Speculator.LATENCY_ROWS]
+    decode_only = [i for i, _, only, _, _ in big if only]
+    chunks = [n for _, _, only, n, _ in big if not only]
+    drafted = [(i, modes) for i, _, only, n, modes in big if only and n]
+    assert len(decode_only) >= 30 and len(chunks) >= 3, (len(decode_only), len(chunks))
+    assert not any(chunks), chunks
+    assert drafted and Mode.PROBE in drafted[0][1], drafted
+    assert drafted[0][0] - decode_only[0] >= speculator.guard.config.probe_after, (drafted[0][0], decode_only[0])
+    if drafts == "rejected":
+        assert all(Mode.PROBE in modes for _, modes in drafted) and len(drafted) <= 3, drafted
 
 
 def test_where_every_drafter_is_off_the_engine_offers_no_decodes_until_a_probe_is_due(tiny_llama: Path) -> None:

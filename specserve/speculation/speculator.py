@@ -290,7 +290,12 @@ class Speculator:
             if base.tokens == sampling_rows:  # decode-only
                 self._ask_guard(decodes, base, sampling_rows)
             elif decodes:  # a prefill chunk too: not judged, but what is off at the decodes' shape stays off
-                shape = self.guard.key(len(decodes), sum(d.request.num_computed + 1 for d in decodes))
+                # The shape of the decode-only steps to come: every request emitting a token (those
+                # offered drafts are the ones the token budget left draft slots for: with 20
+                # decoding while prompts were admitted, 2 were offered and read the 2-request
+                # bucket), at the offered ones' mean context.
+                context = sum(d.request.num_computed + 1 for d in decodes) // len(decodes)
+                shape = self.guard.key(sampling_rows, context * sampling_rows)
                 off = self.guard.off(shape, list(self._active))
                 self._active = {n: d for n, d in self._active.items() if n not in off}
         decodes = [d for d in decodes if d.request.budget > 0]
