@@ -9,7 +9,8 @@ only by steps that asked the drafters (before session 31); `:name=value` sets a 
 field (`auto:latency_slack=0.1`), `:speculator.NAME=value` a Speculator class setting on that
 engine (`auto:speculator.WORTH_SHARE=0.5`), `:engine.NAME=value` an EngineArgs field
 (`none:engine.huge_pages=1`), `:guard.NAME=value` a field of the goodput guard's config for the
-lookups (`auto:guard.probe_steps=3`).
+lookups (`auto:guard.probe_steps=3`), `:model_guard.NAME=value` of the one for the drafters that run a
+model (`auto:model_guard.start_off_rows=1073741824`).
 
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --a auto+recycling --b auto
     python benchmarks/auto_drafter_sets.py --dataset sharegpt --batch 4 --n 48 --a auto --b none
@@ -80,6 +81,12 @@ def main() -> None:
         if "guard" in by_scope:  # the lookups' guard config (a model drafter's has its own, left as it is)
             speculator.guard.config = dataclasses.replace(speculator.guard.config,
                                                           **typed(speculator.guard.config, "guard"))
+        if "model_guard" in by_scope:  # the guard config of the drafters that run a model (`per_drafter`)
+            replaced: dict[int, Any] = {}  # drafters judged alike stay alike (the guard groups them by identity)
+            for name, config in speculator.guard.per_drafter.items():
+                if id(config) not in replaced:
+                    replaced[id(config)] = dataclasses.replace(config, **typed(config, "model_guard"))
+                speculator.guard.per_drafter[name] = replaced[id(config)]
         if secant and hasattr(llm.engine.core.speculator.controller, "_by_threshold"):
             llm.engine.core.speculator.controller._by_threshold = lambda base, rows, candidates, best: best
         if drafting_only:
