@@ -164,7 +164,7 @@ class EngineArgs:
         spec = d.speculative
         s.add_argument("--spec", default=CLI_SPEC_DEFAULT,
                        help=f"drafter: {', '.join(SPEC_METHODS)}, or several joined by '+' (default: "
-                            f"{CLI_SPEC_DEFAULT}: picks per request among suffix, ngram (and a draft model), and drafts only "
+                            f"{CLI_SPEC_DEFAULT}: picks per request between suffix and a draft model, given one, and drafts only "
                             f"where it measures drafts paying; none: plain decoding)")
         s.add_argument("--spec-tokens", type=int, default=spec.num_tokens,
                        help="the most draft tokens a request gets per step (K)")

@@ -11,8 +11,16 @@ SPEC_METHODS = ("none", "auto", "ngram", "suffix", "recycling", "draft-model", "
 # gave. On the bundled model, `auto` without it against `auto` with it: ShareGPT batch 1 1.06x,
 # batch 4 ~1.05x, HumanEval batch 1 ~1.05x, batch 4 1.02x; Spec-Bench batch 1 0.99x and the 1.5B
 # with its draft model on ShareGPT 1.01x, within those runs' noise (BENCHMARKS.md, session 30).
-# `--spec recycling` and `suffix+recycling` still run it.
-AUTO_METHODS = ("suffix", "ngram")
+# `--spec recycling` and `suffix+recycling` still run it. Not ngram either: beside suffix, whose
+# per-request index already holds every match ngram finds, its trees were verified where suffix had
+# none and lost to it where both had one (on the bundled model's Spec-Bench at batch 1, 3.2 nodes for
+# 0.60 accepted against suffix's 2.5 for 1.33); `auto` without it against `auto`, A B B A: Spec-Bench
+# batch 1 1.04x, ShareGPT batch 8 1.02x, HumanEval batch 1 1.01x and batch 4 0.99x, the 1.5B with
+# its draft model 1.00x (Spec-Bench) and 0.99x (code editing); against ngram alone 1.00x where it
+# was the best fixed drafter. Served at 0.25 req/s, a 14-token request alone verified 54 rejected
+# nodes under suffix and ngram (p99 TPOT 1.25x `none`'s) and 8 under suffix alone (BENCHMARKS.md,
+# session 39). `--spec ngram` and `suffix+ngram` still run it.
+AUTO_METHODS = ("suffix",)
 CONTROLLERS = ("goodput", "fixed")
 # How a GGUF draft model run on its own blocks keeps its projections: rounded to Q4_0 where stored
 # in more bits, or as stored (SpeculativeConfig.draft_quantization).
@@ -25,9 +33,9 @@ class SpeculativeConfig:
 
     method: none | auto | ngram | suffix | recycling | draft-model | layer-skip | eagle, or several joined
         by "+" (e.g. "suffix+recycling"): their trees are merged, earlier methods first. `auto`
-        keeps suffix and ngram (and the draft model, given draft_model) side by side and
-        drafts each request with the one whose measured acceptance pays best for it; the lookups
-        are asked first, and the model is not run where one of them proposes text worth more.
+        keeps suffix (and the draft model, given draft_model) side by side and drafts each
+        request with the one whose measured acceptance pays best for it; the lookup is asked
+        first, and the model is not run where it proposes text worth more.
     num_tokens: the most draft tokens (tree nodes) a decoding request may get per step (K);
         0 = plain decoding
     controller: goodput (each step, the draft nodes whose expected tokens pay for their measured
