@@ -41,7 +41,7 @@ def concentration(counts: list[tuple[int, int]]) -> dict[str, float]:
 
 
 def main() -> None:
-    from guard_variants import add_common_arguments  # beside this file
+    from guard_variants import add_common_arguments, chat_prompts  # beside this file
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap)
@@ -50,9 +50,6 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from specserve import LLM, SamplingParams
-    from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
 
     llm = LLM(a.model, max_num_seqs=a.batch, speculative={"method": a.method})
     acceptance = llm.engine.core.speculator.acceptance
@@ -67,9 +64,7 @@ def main() -> None:
             c[1] += 0 in accepted
 
     acceptance.observe = counting  # type: ignore[method-assign]
-    tok = llm.tokenizer
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(a, llm.tokenizer)
     start = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0), use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -133,13 +133,20 @@ def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) 
     return rows
 
 
-def run_all(a: argparse.Namespace, make_engines: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
-    """`a.runs` runs, each on fresh engines from `make_engines` (a `none` among them, first), on the
-    questions of `a.dataset` that fit the model; each run's rows, printed as they come."""
+def chat_prompts(a: argparse.Namespace, tokenizer: Any) -> list[str]:
+    """The questions of `a.dataset` (`a.prompts` of them; per category for Spec-Bench) that fit with
+    `a.max_tokens` to generate, each as a one-turn chat in the model's template."""
     from specserve.bench.datasets import open_dataset
     from specserve.bench.spec import load_questions
     from specserve.tokenizer import apply_chat_template
 
+    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+
+
+def run_all(a: argparse.Namespace, make_engines: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """`a.runs` runs, each on fresh engines from `make_engines` (a `none` among them, first), on the
+    questions of `a.dataset` that fit the model; each run's rows, printed as they come."""
     torch.set_num_threads(a.threads)
     prompts: list[str] = []
     runs = []
@@ -150,9 +157,7 @@ def run_all(a: argparse.Namespace, make_engines: Callable[[], dict[str, Any]]) -
             for llm in engines.values():
                 llm.engine.core.runner.model = model
         if not prompts:  # the questions fitting the model's tokenizer, once
-            tokenizer = engines["none"].tokenizer
-            questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
-            prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+            prompts = chat_prompts(a, engines["none"].tokenizer)
         rows = one_run(a, engines, prompts)
         del engines
         runs.append(rows)
