@@ -20,7 +20,7 @@ def main() -> None:
     from speculator_overhead import engines_and_prompts, run_rounds, workload_args  # beside this file
 
     a = workload_args(__doc__)
-    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
+    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens, a.dataset)
     seconds: dict[str, dict[tuple[str, str], list[float]]] = {name: defaultdict(list) for name in llms}
     for name, llm in llms.items():
         sp = llm.engine.core.speculator

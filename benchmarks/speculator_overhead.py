@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 
-def engines_and_prompts(model: str | None, threads: int, num_prompts: int, max_tokens: int) -> tuple[dict, list]:
-    """The plain and `auto` engines on `model` (default: the bundled one), and ShareGPT prompts
-    under its chat template."""
+def engines_and_prompts(model: str | None, threads: int, num_prompts: int, max_tokens: int,
+                        dataset: str = "sharegpt") -> tuple[dict, list]:
+    """The plain and `auto` engines on `model` (default: the bundled one), and `dataset`'s prompts
+    (ShareGPT's by default) under its chat template."""
     from specserve import LLM
     from specserve.bench.spec import load_questions, open_dataset
     from specserve.tokenizer import apply_chat_template
@@ -30,15 +31,16 @@ def engines_and_prompts(model: str | None, threads: int, num_prompts: int, max_t
     llms = {"none": LLM(speculative=None, threads=threads, **kw),
             "auto": LLM(speculative=dict(method="auto"), threads=threads, **kw)}
     tok = llms["none"].tokenizer
-    questions = load_questions(open_dataset("sharegpt", None), num_prompts, max_tokens, tok)
+    questions = load_questions(open_dataset(dataset, None), num_prompts, max_tokens, tok)
     return llms, [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
 
 
 def workload_args(doc: str | None, prompts: int = 32) -> argparse.Namespace:
-    """The options the speculator's timing scripts share: model, threads, prompts, batch, rounds,
-    max tokens (threads applied to torch)."""
+    """The options the speculator's timing scripts share: model, dataset, threads, prompts, batch,
+    rounds, max tokens (threads applied to torch)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--dataset", default="sharegpt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--batch", type=int, default=8)
@@ -72,7 +74,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from specserve import SamplingParams
 
-    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
+    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens, a.dataset)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     rec: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in llms}
     for name, llm in llms.items():

@@ -2,7 +2,8 @@
 (no profiler: cProfile inflates this Python-heavy code many times over), plain decoding and auto
 on the same batches of ShareGPT prompts in one process.
 
-    python benchmarks/speculator_parts.py            # bundled model, batch 8, 32 prompts, two rounds
+    python benchmarks/speculator_parts.py            # bundled model, ShareGPT, batch 8, 32 prompts, two rounds
+    python benchmarks/speculator_parts.py --dataset humaneval --batch 4 --prompts 48 --rounds 1
 
 Prints, per engine, the total seconds spent in each wrapped method over the run.
 """
@@ -16,6 +17,9 @@ from typing import Any
 
 SPECULATOR_PARTS = ("propose", "verify", "observe", "finish", "_grant", "_run_drafters", "_select",
                     "_keep_top_ids", "_tell_drafters", "_sample")
+# The suffix drafter's propose, by part: indexing finished outputs, the request's own tokens since it
+# last proposed (its whole prompt on the first call), matching and growing a tree in either index.
+SUFFIX_PARTS = ("_absorb", "_request_index", "_speculate", "_grow")
 
 
 def wrap(obj: Any, attr: str, totals: dict[str, float], key: str | None = None,
@@ -41,7 +45,7 @@ def main() -> None:
     from speculator_overhead import engines_and_prompts, run_rounds, workload_args  # beside this file
 
     a = workload_args(__doc__)
-    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens)
+    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens, a.dataset)
     totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in llms}
     for name, llm in llms.items():
         core, t = llm.engine.core, totals[name]
@@ -51,8 +55,9 @@ def main() -> None:
         for m in SPECULATOR_PARTS:
             wrap(sp, m, t)
         for drafter in sp.drafters.values():
-            for m in ("propose", "observe", "finish"):
-                wrap(drafter, m, t)
+            for m in ("propose", "observe", "finish") + SUFFIX_PARTS:
+                if hasattr(drafter, m):
+                    wrap(drafter, m, t)
         wrap(sp.controller, "select", t)
         wrap(sp.verifier, "verify", t)
     run_rounds(llms, prompts, a)
