@@ -19,20 +19,16 @@ from pathlib import Path
 import torch
 
 
-def engines_and_prompts(model: str | None, threads: int, num_prompts: int, max_tokens: int,
-                        dataset: str = "sharegpt") -> tuple[dict, list]:
-    """The plain and `auto` engines on `model` (default: the bundled one), and `dataset`'s prompts
-    (ShareGPT's by default) under its chat template."""
+def engines_and_prompts(a: argparse.Namespace) -> tuple[dict, list]:
+    """The plain and `auto` engines on `a.model` (default: the bundled one), and the prompts of
+    `a.dataset` under its chat template (`guard_variants.chat_prompts`)."""
+    from guard_variants import chat_prompts  # beside this file
     from specserve import LLM
-    from specserve.bench.spec import load_questions, open_dataset
-    from specserve.tokenizer import apply_chat_template
 
-    kw = {} if model is None else {"model": model}
-    llms = {"none": LLM(speculative=None, threads=threads, **kw),
-            "auto": LLM(speculative=dict(method="auto"), threads=threads, **kw)}
-    tok = llms["none"].tokenizer
-    questions = load_questions(open_dataset(dataset, None), num_prompts, max_tokens, tok)
-    return llms, [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+    kw = {} if a.model is None else {"model": a.model}
+    llms = {"none": LLM(speculative=None, threads=a.threads, **kw),
+            "auto": LLM(speculative=dict(method="auto"), threads=a.threads, **kw)}
+    return llms, chat_prompts(a, llms["none"].tokenizer)
 
 
 def workload_args(doc: str | None, prompts: int = 32) -> argparse.Namespace:
@@ -65,6 +61,7 @@ def run_rounds(llms: dict, prompts: list, a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--dataset", default="sharegpt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8)
@@ -74,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from specserve import SamplingParams
 
-    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens, a.dataset)
+    llms, prompts = engines_and_prompts(a)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     rec: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in llms}
     for name, llm in llms.items():

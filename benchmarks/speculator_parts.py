@@ -45,7 +45,7 @@ def main() -> None:
     from speculator_overhead import engines_and_prompts, run_rounds, workload_args  # beside this file
 
     a = workload_args(__doc__)
-    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens, a.dataset)
+    llms, prompts = engines_and_prompts(a)
     totals: dict[str, dict[str, float]] = {name: defaultdict(float) for name in llms}
     for name, llm in llms.items():
         core, t = llm.engine.core, totals[name]
