@@ -15,12 +15,22 @@ from collections import defaultdict
 from typing import Any
 
 
+def guard_say(sp: Any) -> str:
+    """What the guard said of the step just proposed: probe if it probes a drafter, draft if any may
+    draft, plain if none may; unjudged where it did not judge the step (a prompt chunk in it, or no
+    speculation)."""
+    judged = sp._step.guard
+    if judged is None:
+        return "unjudged"
+    modes = {m.value for m in judged[1].values()}
+    return "probe" if "probe" in modes else "draft" if "draft" in modes else "plain"
+
 
 def main() -> None:
     from speculator_overhead import engines_and_prompts, run_rounds, workload_args  # beside this file
 
     a = workload_args(__doc__)
-    llms, prompts = engines_and_prompts(a.model, a.threads, a.prompts, a.max_tokens, a.dataset)
+    llms, prompts = engines_and_prompts(a)
     seconds: dict[str, dict[tuple[str, str], list[float]]] = {name: defaultdict(list) for name in llms}
     for name, llm in llms.items():
         sp = llm.engine.core.speculator
@@ -34,7 +44,7 @@ def main() -> None:
                 finally:
                     dt = time.perf_counter() - t
                     if method == "propose":
-                        mode[0] = sp._mode.value
+                        mode[0] = guard_say(sp)
                     rec[(mode[0], method)].append(dt)
             return call
 
