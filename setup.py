@@ -75,7 +75,7 @@ setup(
     ext_modules=[
         CppExtension(
             "specserve._C",
-            [os.path.join(CSRC, "ops.cpp"), os.path.join(CSRC, "kernel_ops.cpp")],
+            [os.path.join(CSRC, "ops.cpp"), os.path.join(CSRC, "kernel_ops.cpp"), os.path.join(CSRC, "suffix_trie.cpp")],
             include_dirs=[CSRC],
             define_macros=DEFINES,
             # at::parallel_for is an OpenMP region compiled into this library (the runtime is PyTorch's libgomp)

@@ -1,4 +1,5 @@
-"""Lookup drafters (prompt lookup / n-gram, SuffixDecoding): pure Python, no models."""
+"""Lookup drafters (prompt lookup / n-gram, SuffixDecoding) and the suffix index (C++ and its Python
+reference): no models."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from specserve.sampling_params import SamplingParams
 from specserve.speculation.drafter import DraftRequest, RequestView
 from specserve.speculation.drafters.ngram import NgramDrafter, continuation
-from specserve.speculation.drafters.suffix import SuffixDrafter, SuffixTrie
+from specserve.speculation.drafters.suffix import (
+    NativeSuffixIndex,
+    PySuffixIndex,
+    SuffixConfig,
+    SuffixDrafter,
+    SuffixIndex,
+    SuffixTrie,
+)
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
 
@@ -180,6 +188,18 @@ def trie_counts(trie: SuffixTrie) -> Counter:
     return counts
 
 
+def index_counts(index: SuffixIndex) -> Counter:
+    """Every window's count, read through `SuffixIndex.children` (the native index's too)."""
+    counts: Counter = Counter()
+    stack: list[tuple[int, ...]] = [()]
+    while stack:
+        path = stack.pop()
+        for tok, count in zip(*index.children(list(path))):
+            counts[path + (tok,)] = count
+            stack.append(path + (tok,))
+    return counts
+
+
 def test_suffix_trie_counts_every_window():
     # Protects: the path-compressed trie holds exactly the window counts of a plain bounded
     # suffix trie, built token by token, after add, and after remove (eviction).
@@ -222,6 +242,97 @@ def test_suffix_trie_continues_exactly_where_it_has_children():
                 assert trie.continues(cur, len(pattern)) == bool(trie.children(cur, len(pattern)))
 
 
+def test_native_suffix_index_counts_every_window_and_forgets_removed_ones():
+    # Protects: the C++ index holds exactly the window counts of a plain bounded suffix trie, built
+    # token by token and in whole sequences, and after removals (eviction) nothing of a removed
+    # sequence is left: the same property as the Python trie's above.
+    rng = random.Random(12)
+    for _ in range(60):
+        depth = rng.randrange(1, 7)
+        seqs = [[rng.randrange(3) for _ in range(rng.randrange(0, 25))] for _ in range(3)]
+        index = NativeSuffixIndex(depth)
+        grown: list[int] = []
+        for tok in seqs[0]:
+            grown.append(tok)
+            index.extend(0 if len(grown) > 1 else -1, [tok])
+            assert index_counts(index) == window_counts([grown], depth)
+        index = NativeSuffixIndex(depth)
+        ids = []
+        for seq in seqs:
+            ids.append(index.extend(-1, seq))
+            index.close(ids[-1])
+        assert index_counts(index) == window_counts(seqs, depth)
+        index.remove(ids[1])
+        assert index_counts(index) == window_counts([seqs[0], seqs[2]], depth)
+        again = index.extend(-1, seqs[1])  # a freed sequence id and freed nodes are reused
+        index.close(again)
+        assert index_counts(index) == window_counts(seqs, depth)
+        for seq_id in (ids[0], ids[2], again):
+            index.remove(seq_id)
+        assert index_counts(index) == Counter() and index.num_nodes() == 1
+
+
+@pytest.mark.parametrize("alphabet", [3, 40])
+def test_native_suffix_index_drafts_what_the_python_one_drafts(alphabet):
+    # Protects: the C++ index is the Python reference node for node: the same match, the same
+    # tree (tokens, parents, conditional probabilities) and the same score, on repetitive text
+    # (3 tokens: deep trees, many expansions) and varied text, with sequences grown a few tokens at
+    # a time, added whole, and removed, at random depths, budgets, factors and thresholds.
+    rng = random.Random(alphabet)
+    for _ in range(40):
+        max_depth = rng.randrange(1, 9)
+        factor = rng.choice([0.5, 1.0, 2.0, 3.0])
+        depth = SuffixConfig(max_depth, factor).trie_depth
+        native, python = NativeSuffixIndex(depth), PySuffixIndex(depth)
+        ids: list[tuple[int, int]] = []
+        own = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 10))]
+        mine = (native.extend(-1, own), python.extend(-1, own))
+        for _ in range(rng.randrange(2, 6)):
+            seq = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 60))]
+            ids.append((native.extend(-1, seq), python.extend(-1, seq)))
+            native.close(ids[-1][0])
+            python.close(ids[-1][1])
+        for step in range(30):
+            more = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 5))]
+            native.extend(mine[0], more)
+            python.extend(mine[1], more)
+            own += more
+            if step % 10 == 9 and ids:
+                gone = ids.pop(rng.randrange(len(ids)))
+                native.remove(gone[0])
+                python.remove(gone[1])
+            budget, min_prob = rng.randrange(0, 16), rng.choice([0.0, 0.05, 0.1, 0.3])
+            context = own[-max_depth:] if rng.random() < 0.8 else [rng.randrange(alphabet) for _ in range(max_depth)]
+            want = python.speculate(context, max_depth, budget, factor, min_prob)
+            got = native.speculate(context, max_depth, budget, factor, min_prob)
+            assert tuple(got) == tuple(want), (context, budget, factor, min_prob)
+        assert index_counts(native) == index_counts(python)
+
+
+def test_native_and_python_suffix_drafters_propose_the_same_trees():
+    # Protects: the drafter over the C++ index proposes what it proposed over the Python trie,
+    # through requests growing, finishing into the global cache, evictions and a rewritten history.
+    rng = random.Random(21)
+    native, python = SuffixDrafter(max_cached_requests=5), SuffixDrafter(max_cached_requests=5, native=False)
+    base = [rng.randrange(30) for _ in range(40)]
+    texts: dict[str, list[int]] = {}
+    for i in range(300):
+        rid = f"r{rng.randrange(8)}"
+        text = texts.setdefault(rid, base[: rng.randrange(1, 10)] + [rng.randrange(30)])
+        text += base[(k := rng.randrange(len(base))) : k + rng.randrange(0, 6)] + [rng.randrange(30)]
+        if i % 50 == 49:
+            text[0] += 1  # a rewritten history: re-indexed, not extended
+            before = native._requests.get(rid)
+        reqs = [DraftRequest(view(text[:3], text[3:], rid=rid), rng.randrange(0, 12))]
+        assert native.propose(reqs) == python.propose(reqs)
+        if i % 50 == 49:
+            assert before is None or native._requests[rid] is not before
+        if rng.random() < 0.15:
+            for d in (native, python):
+                d.finish(rid, view(text[:3], text[3:], rid=rid))
+            del texts[rid]
+
+
 # ---------------------------------------------------------------- suffix drafter
 
 
@@ -259,7 +370,7 @@ def test_suffix_global_cache_evicts_oldest():
     assert len(propose(d, view(outs["q0"][:4], rid="x"), 3)) == 0
     assert len(propose(d, view(outs["q1"][:4], rid="y"), 3)) == 0
     assert propose(d, view(outs["q4"][:4], rid="z"), 3).tokens == tuple(outs["q4"][4:7])
-    assert trie_counts(d._global) == window_counts([outs[f"q{i}"] for i in (2, 3, 4)], d.config.trie_depth)
+    assert index_counts(d._global) == window_counts([outs[f"q{i}"] for i in (2, 3, 4)], d.config.trie_depth)
     # Disabled cache keeps nothing.
     off = SuffixDrafter(max_cached_requests=0)
     off.finish("a", view([0], outs["q0"], rid="a"))
@@ -278,7 +389,7 @@ def test_suffix_drops_request_state_on_finish_and_rebuilds_on_change():
     # "b" was [4, 5, 4]; now it is [4, 6, 7, 4, 6]: only the new tokens may be used.
     assert propose(d, view([4, 6, 7, 4, 6], rid="b"), 2).tokens == (7, 4)
     assert d.num_tracked_requests == 1
-    assert d._requests["b"].seq == [4, 6, 7, 4, 6]
+    assert index_counts(d._requests["b"].index) == window_counts([[4, 6, 7, 4, 6]], d.config.trie_depth)
 
 
 def test_suffix_longer_match_allows_longer_proposal():
@@ -358,8 +469,8 @@ def test_suffix_concurrent_finish_while_proposing():
     assert not errors
     assert d.num_cached_requests <= 8
     with d._lock:
-        outs = list(d._cached.values())
-    assert trie_counts(d._global) == window_counts([list(o) for o in outs], d.config.trie_depth)
+        outs = [list(d._global.tail(seq, 1 << 30)) for seq in d._cached.values()]
+    assert index_counts(d._global) == window_counts([list(o) for o in outs], d.config.trie_depth)
 
 
 @pytest.mark.parametrize(

@@ -34,14 +34,17 @@ when a second occurrence reaches it. Memory is then O(tokens + repeated
 windows), bounded by D * tokens indexed (per request: its length; global:
 `max_cached_requests` outputs).
 
-Cost per step and request: indexing a new token touches only the windows still
-inside repeated text (at most D, usually a few); the match is a binary search
-over suffix lengths, O(max_depth * log max_depth) dict lookups; growing the tree
-is O(max_spec * log) heap operations: well under 0.1 ms a request. A request's
-first call indexes its whole prompt: about 1 microsecond a token for ordinary
-text, 4 for highly repetitive text (4k tokens: 3-18 ms). Text that repeats
-earlier text expands up to D - 1 nodes a token, whose allocations can bring on
-Python's cyclic GC (it is the allocation, not the index, that costs then).
+The drafter's indexes are C++ (`NativeSuffixIndex`, csrc/suffix_trie.cpp): the
+same trie, match and tree growth as the Python `SuffixTrie` and `PySuffixIndex`
+here, which are the reference it is tested against node for node. Cost per step
+and request: indexing a new token touches only the windows still inside repeated
+text (at most D, usually a few); the match is a binary search over suffix
+lengths, O(max_depth * log max_depth) hash lookups; growing the tree is
+O(max_spec * log) heap operations. In C++ a call (index the new tokens, or match
+and grow) costs ~5 us, most of it the call itself; the Python reference took
+~1 us a token to index and ~100 us a request to match and grow in both indexes,
+which at batch 4-8 of a small model was what drafting with suffix cost
+(BENCHMARKS.md, session 40).
 
 Threading: `finish` may run concurrently with `propose`; `propose` itself must
 not run concurrently with itself (the engine calls it from one thread). Per
@@ -54,11 +57,14 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import chain
-from typing import ClassVar, Union
+from typing import ClassVar, Protocol, Union, cast
 
+import torch
+
+from specserve.model import ops
 from specserve.speculation.drafter import DraftRequest, Drafter, RequestView
 from specserve.speculation.tree import EMPTY_TREE, DraftTree
 
@@ -247,25 +253,149 @@ class SuffixConfig:
         return self.max_depth + max(1, int(self.max_depth * self.max_spec_factor))
 
 
+Proposal = tuple[list[int], list[int], list[float], float]
+"""A tree grown from a match: tokens, parents, each node's conditional probability, and the score
+(the sum of path probabilities); a score below 0 means no suffix of the context matched."""
+
+
+class SuffixIndex(Protocol):
+    """The drafter's view of an index: sequences appended to and indexed, removed, and matched.
+    `NativeSuffixIndex` (C++) serves the drafter; `PySuffixIndex` is the reference it is tested
+    against, node for node."""
+
+    def extend(self, seq: int, tokens: list[int]) -> int:
+        """Append `tokens` to sequence `seq` and index them (-1: a new sequence); its id."""
+        ...
+
+    def close(self, seq: int) -> None:
+        """The sequence is complete: forget its open windows."""
+        ...
+
+    def remove(self, seq: int) -> None:
+        """Undo the sequence's indexing."""
+        ...
+
+    def speculate(self, context: list[int], max_depth: int, budget: int, max_spec_factor: float,
+                  min_prob: float) -> Proposal:
+        """Match the longest suffix of `context` (at most `max_depth`) with a continuation, then
+        grow a tree of at most min(budget, max(1, int(match * max_spec_factor))) nodes."""
+        ...
+
+    def children(self, pattern: list[int]) -> tuple[list[int], list[int]]:
+        """The continuations of `pattern` and their counts, first seen first."""
+        ...
+
+
+class PySuffixIndex:
+    """`SuffixIndex` over the Python `SuffixTrie`: the reference for the native index."""
+
+    def __init__(self, depth: int) -> None:
+        self.trie = SuffixTrie(depth)
+        self._seqs: list[list[int]] = []
+        self._windows: list[list[Window]] = []
+
+    def extend(self, seq: int, tokens: list[int]) -> int:
+        if seq < 0:
+            seq = len(self._seqs)
+            self._seqs.append([])
+            self._windows.append([])
+        grown = self._seqs[seq]
+        for tok in tokens:
+            grown.append(tok)
+            self._windows[seq] = self.trie.push(grown, len(grown) - 1, self._windows[seq])
+        return seq
+
+    def close(self, seq: int) -> None:
+        self._windows[seq] = []
+
+    def remove(self, seq: int) -> None:
+        self.trie.remove(self._seqs[seq])
+        self._seqs[seq], self._windows[seq] = [], []
+
+    def children(self, pattern: list[int]) -> tuple[list[int], list[int]]:
+        cur = self.trie.find(pattern)
+        kids = [] if cur is None else self.trie.children(cur, len(pattern))
+        return [tok for tok, _, _ in kids], [count for _, count, _ in kids]
+
+    def speculate(self, context: list[int], max_depth: int, budget: int, max_spec_factor: float,
+                  min_prob: float) -> Proposal:
+        trie = self.trie
+        # A suffix that occurred with a continuation implies every shorter one did: binary search.
+        lo, hi = 0, min(max_depth, len(context))
+        match: Cursor | None = None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            cur = trie.find(context[len(context) - mid :])
+            if cur is not None and trie.continues(cur, mid):
+                lo, match = mid, cur
+            else:
+                hi = mid - 1
+        if match is None:
+            return [], [], [], -1.0
+        max_spec = min(budget, max(1, int(lo * max_spec_factor)))
+        return self._grow(match, lo, max_spec, min_prob)
+
+    def _grow(self, match: Cursor, depth: int, max_nodes: int, min_prob: float) -> Proposal:
+        tokens: list[int] = []
+        parents: list[int] = []
+        conditional: list[float] = []
+        score = 0.0
+        heap: list[tuple[float, int, int, int, Cursor, int, float]] = []
+        order = 0
+
+        def push(cur: Cursor, depth: int, parent: int, prob: float) -> None:
+            nonlocal order
+            total, kids = self.trie.frequent_children(cur, depth, min_prob / prob)
+            for tok, count, child in kids:
+                p = prob * count / total
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, order, tok, parent, child, depth + 1, count / total))
+                    order += 1
+
+        push(match, depth, -1, 1.0)
+        while heap and len(tokens) < max_nodes:
+            neg_p, _, tok, parent, child, child_depth, cond = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            conditional.append(cond)
+            score -= neg_p
+            push(child, child_depth, len(tokens) - 1, -neg_p)
+        return tokens, parents, conditional, score
+
+
+def NativeSuffixIndex(depth: int) -> SuffixIndex:
+    """The C++ index (csrc/suffix_trie.cpp), the same trie and tree growth as `PySuffixIndex`."""
+    ops.load()
+    return cast(SuffixIndex, torch.classes.specserve.SuffixTrie(depth))
+
+
 @dataclass
 class _RequestIndex:
-    trie: SuffixTrie
-    seq: list[int] = field(default_factory=list)
-    windows: list[Window] = field(default_factory=list)
+    """A request's own tokens, indexed: how many, and the last `TAIL` of them (the prefix check)."""
+
+    index: SuffixIndex
+    length: int = 0
+    head: tuple[int, ...] = ()
+    tail: tuple[int, ...] = ()
     last_call: int = 0
 
+    ENDS: ClassVar[int] = 16
+
+    def extends_to(self, tokens: tuple[int, ...]) -> bool:
+        """Whether `tokens` continue what was indexed. Its first and last ENDS tokens are compared,
+        not all of them (an O(length) copy and comparison a call, for every request every step): a
+        request's tokens only grow, so this tells a reused request id or a rewritten history apart,
+        and a wrong index could only cost drafts, never change an output (every draft is verified)."""
+        n = self.length
+        return (len(tokens) >= n and tokens[max(0, n - self.ENDS) : n] == self.tail
+                and tokens[: min(n, self.ENDS)] == self.head)
+
     def extend(self, tokens: tuple[int, ...]) -> None:
-        for i in range(len(self.seq), len(tokens)):
-            self.seq.append(tokens[i])
-            self.windows = self.trie.push(self.seq, i, self.windows)
-
-
-@dataclass
-class _Candidate:
-    tokens: list[int]
-    parents: list[int]
-    score: float
-    conditional: list[float] = field(default_factory=list)  # per node: count / count of its siblings' parent
+        if len(tokens) > self.length:
+            self.index.extend(0 if self.length else -1, list(tokens[self.length :]))
+            self.length = len(tokens)
+            self.head = tokens[: self.ENDS]
+            self.tail = tokens[max(0, self.length - self.ENDS) :]
 
 
 class SuffixDrafter(Drafter):
@@ -280,12 +410,15 @@ class SuffixDrafter(Drafter):
         max_spec_factor: float = 1.0,
         min_prob: float = 0.1,
         max_cached_requests: int = 256,
+        native: bool = True,
     ) -> None:
         self.config = SuffixConfig(max_depth, max_spec_factor, min_prob, max_cached_requests)
+        # the C++ index, or the Python one it is tested against (same drafts, ~20x the time)
+        self._new_index: Callable[[int], SuffixIndex] = NativeSuffixIndex if native else PySuffixIndex
         self._lock = threading.Lock()  # guards _requests (the dict), _global, _cached and _pending
         self._requests: dict[str, _RequestIndex] = {}
-        self._global = SuffixTrie(self.config.trie_depth)
-        self._cached: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # outputs in the global index
+        self._global = self._new_index(self.config.trie_depth)
+        self._cached: OrderedDict[str, int] = OrderedDict()  # outputs in the global index: their sequence ids
         self._pending: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # finished, not indexed yet
         self._calls = 0
 
@@ -321,8 +454,9 @@ class SuffixDrafter(Drafter):
         with self._lock:
             for _ in range(min(limit, len(self._pending))):
                 request_id, output = self._pending.popitem(last=False)
-                self._global.add(output)
-                self._cached[request_id] = output
+                seq = self._global.extend(-1, list(output))
+                self._global.close(seq)
+                self._cached[request_id] = seq
 
     def _evict(self) -> None:
         """At most `max_cached_requests` outputs kept, indexed or pending: the oldest go first."""
@@ -354,20 +488,24 @@ class SuffixDrafter(Drafter):
         tokens = view.token_ids
         if not tokens:
             return EMPTY_TREE
-        own = self._speculate(self._request_index(view.request_id, tokens).trie, tokens, budget)
+        c = self.config
+        context = list(tokens[-c.max_depth :])
+        own = self._request_index(view.request_id, tokens).index
+        mine = own.speculate(context, c.max_depth, budget, c.max_spec_factor, c.min_prob)
         with self._lock:
-            other = self._speculate(self._global, tokens, budget) if self._cached else None
-        best = own if other is None or (own is not None and own.score >= other.score) else other
-        if best is None:
+            other = (self._global.speculate(context, c.max_depth, budget, c.max_spec_factor, c.min_prob)
+                     if self._cached else None)
+        # the higher score wins, the request's own on a tie; no match scores below 0
+        tree_tokens, parents, conditional, score = mine if other is None or mine[3] >= other[3] else other
+        if score < 0:
             return EMPTY_TREE
-        return DraftTree(tuple(best.tokens), tuple(best.parents), scores=tuple(best.conditional))
+        return DraftTree(tuple(tree_tokens), tuple(parents), scores=tuple(conditional))
 
     def _request_index(self, request_id: str, tokens: tuple[int, ...]) -> _RequestIndex:
         with self._lock:
             index = self._requests.get(request_id)
-        n = 0 if index is None else len(index.seq)
-        if index is None or len(tokens) < n or tokens[:n] != tuple(index.seq):
-            index = _RequestIndex(SuffixTrie(self.config.trie_depth))
+        if index is None or not index.extends_to(tokens):
+            index = _RequestIndex(self._new_index(self.config.trie_depth))
             with self._lock:
                 self._requests[request_id] = index
         index.extend(tokens)
@@ -379,44 +517,3 @@ class SuffixDrafter(Drafter):
         with self._lock:
             for rid in [rid for rid, idx in self._requests.items() if idx.last_call < oldest]:
                 del self._requests[rid]
-
-    def _speculate(self, trie: SuffixTrie, tokens: tuple[int, ...], budget: int) -> _Candidate | None:
-        """Match the longest suffix of `tokens` with a continuation in `trie`, then grow a tree."""
-        # A suffix that occurred with a continuation implies every shorter one did: binary search.
-        lo, hi = 0, min(self.config.max_depth, len(tokens))
-        match: Cursor | None = None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            cur = trie.find(tokens[len(tokens) - mid :])
-            if cur is not None and trie.continues(cur, mid):
-                lo, match = mid, cur
-            else:
-                hi = mid - 1
-        if match is None:
-            return None
-        max_spec = min(budget, max(1, int(lo * self.config.max_spec_factor)))
-        return self._grow(trie, match, lo, max_spec)
-
-    def _grow(self, trie: SuffixTrie, match: Cursor, depth: int, max_nodes: int) -> _Candidate:
-        out = _Candidate([], [], 0.0)
-        heap: list[tuple[float, int, int, int, Cursor, int, float]] = []
-        order = 0
-
-        def push(cur: Cursor, depth: int, parent: int, prob: float) -> None:
-            nonlocal order
-            total, kids = trie.frequent_children(cur, depth, self.config.min_prob / prob)
-            for tok, count, child in kids:
-                p = prob * count / total
-                if p >= self.config.min_prob:
-                    heapq.heappush(heap, (-p, order, tok, parent, child, depth + 1, count / total))
-                    order += 1
-
-        push(match, depth, -1, 1.0)
-        while heap and len(out.tokens) < max_nodes:
-            neg_p, _, tok, parent, child, child_depth, conditional = heapq.heappop(heap)
-            out.tokens.append(tok)
-            out.parents.append(parent)
-            out.conditional.append(conditional)
-            out.score -= neg_p
-            push(child, child_depth, len(out.tokens) - 1, -neg_p)
-        return out
