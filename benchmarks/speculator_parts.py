@@ -18,8 +18,9 @@ from typing import Any
 SPECULATOR_PARTS = ("propose", "verify", "observe", "finish", "_grant", "_run_drafters", "_select",
                     "_keep_top_ids", "_tell_drafters", "_sample")
 # The suffix drafter's propose, by part: indexing finished outputs, the request's own tokens since it
-# last proposed (its whole prompt on the first call), matching and growing a tree in either index.
-SUFFIX_PARTS = ("_absorb", "_request_index", "_speculate", "_grow")
+# last proposed (its whole prompt on the first call), and a request's whole proposal (that indexing,
+# then matching and growing a tree in either index).
+SUFFIX_PARTS = ("_absorb", "_request_index", "_propose_one")
 
 
 def wrap(obj: Any, attr: str, totals: dict[str, float], key: str | None = None,
