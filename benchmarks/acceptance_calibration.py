@@ -29,8 +29,7 @@ def main() -> None:
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts
 
     torch.set_num_threads(a.threads)
     llm = LLM(a.model, max_num_seqs=1, speculative=dict(method=a.spec))
@@ -50,8 +49,7 @@ def main() -> None:
         learn(step, seconds)
 
     sp._learn = counting
-    questions = load_questions(open_dataset(a.dataset, a.dataset_path), a.per_category, a.max_tokens, llm.tokenizer)
-    prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(open_dataset(a.dataset, a.dataset_path), a.per_category, a.max_tokens, llm.tokenizer)
     llm.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0), use_tqdm=False)
     rows = {name: {"trees": t, "nodes": n, "predicted": round(p, 1), "accepted": acc,
                    "accepted_over_predicted": round(acc / p, 3) if p else None}

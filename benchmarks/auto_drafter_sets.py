@@ -52,8 +52,7 @@ def main() -> None:
     import specserve.speculation.config as spec_config
     from specserve import LLM, SamplingParams
     from specserve.entrypoints.engine_args import EngineArgs
-    from specserve.bench.spec import load_questions, open_dataset
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts, open_dataset
 
     full = spec_config.AUTO_METHODS
     kw: dict[str, Any] = dict(threads=a.threads, max_num_seqs=a.batch, **({"model": a.model} if a.model else {}))
@@ -119,8 +118,7 @@ def main() -> None:
             profiles[n] = {k: round(v * 1e3, 2) for k, v in zip(cost.profile.sizes, cost.profile.seconds) if k <= 17}
             print(f"{n:28s} start-up probe (ms by tokens): {profiles[n]}")
     tok = llms[names[0]].tokenizer
-    questions = load_questions(open_dataset(a.dataset, None), a.n, a.max_tokens, tok)
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(open_dataset(a.dataset, None), a.n, a.max_tokens, tok)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     for llm in llms.values():
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up

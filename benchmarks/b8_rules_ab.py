@@ -20,8 +20,7 @@ import torch
 def main() -> None:
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts
     import specserve.engine.drafting as drafting
 
     target, draft, variants = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
@@ -45,8 +44,7 @@ def main() -> None:
             sp._worth = lambda name, rid, nodes, cost=0.0, worth=worth: worth(name, rid, nodes)
         llms[v] = llm
     tokenizer = llms[variants[0]].tokenizer
-    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}])
-               for _, q in load_questions(open_dataset("sharegpt", None), 32, 256, tokenizer)]
+    prompts = chat_prompts(open_dataset("sharegpt", None), 32, 256, tokenizer)
     params = SamplingParams(max_tokens=256, temperature=0)
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up

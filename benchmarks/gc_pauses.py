@@ -35,16 +35,14 @@ def main() -> None:
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts
 
     torch.set_num_threads(a.threads)
     llm = LLM(a.model, max_num_seqs=a.batch, speculative=None if a.spec == "none" else dict(method=a.spec))
     if a.freeze:
         gc.freeze()
     frozen = gc.get_freeze_count()
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
-    prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     pauses: list[tuple[int, float]] = []

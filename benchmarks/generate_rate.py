@@ -34,12 +34,10 @@ def main() -> None:
     import specserve
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts
 
     llm = LLM(max_num_seqs=a.batch, speculative=None if a.spec == "none" else dict(method=a.spec))
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
-    prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0), use_tqdm=False)

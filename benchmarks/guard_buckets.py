@@ -38,15 +38,13 @@ def auto_engine_and_prompts(a: argparse.Namespace) -> tuple[Any, list[str]]:
     """An `auto` engine on --model (default: the bundled one) taking --batch requests at a time,
     and --prompts prompts of --dataset under its chat template; torch on --threads threads."""
     from specserve import LLM
-    from specserve.bench.spec import load_questions, open_dataset
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts, open_dataset
 
     torch.set_num_threads(a.threads)
     kw: dict[str, Any] = {"model": a.model} if a.model else {}
     llm = LLM(speculative=dict(method="auto"), threads=a.threads, max_num_seqs=a.batch, **kw)
     tok = llm.tokenizer
-    return llm, [apply_chat_template(tok, [{"role": "user", "content": q}])
-                 for _, q in load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)]
+    return llm, chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)
 
 
 def learn_drafting_only(speculator: Any) -> None:

@@ -12,9 +12,8 @@ from collections import Counter
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.bench.spec import load_questions, open_dataset
+from specserve.bench.spec import chat_prompts, open_dataset
 from specserve.speculation.guard import Mode
-from specserve.tokenizer import apply_chat_template
 
 
 def main() -> None:
@@ -22,8 +21,7 @@ def main() -> None:
     torch.set_num_threads(2)
     llm = LLM(speculative=dict(method=method), threads=2)
     tok = llm.tokenizer
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}])
-               for _, q in load_questions(open_dataset("spec-bench", None), 1, 128, tok)]
+    prompts = chat_prompts(open_dataset("spec-bench", None), 1, 128, tok)
     sp = llm.engine.core.speculator
     probes: Counter[tuple[str | None, int | None]] = Counter()
     learn = sp._learn

@@ -40,9 +40,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
+    from specserve.bench.spec import chat_prompts
     from specserve.speculation.guard import Mode
-    from specserve.tokenizer import apply_chat_template
 
     llm = LLM(a.model, max_num_seqs=a.batch, speculative={"method": "auto"})
     llm.wait_for_huge_pages()
@@ -99,8 +98,7 @@ def main() -> None:
             print(f"{step_no:4} {key} turned off (steps that only asked)")
 
     guard._record_asked = traced_asked
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
-    prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
     llm.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0), use_tqdm=False)
     counts = sorted(([list(shape), m, n] for (shape, m), n in said.items()), key=lambda x: (x[0], x[1]))
     for shape, m, n in counts:

@@ -133,15 +133,13 @@ def one_run(a: argparse.Namespace, engines: dict[str, Any], prompts: list[str]) 
     return rows
 
 
-def chat_prompts(a: argparse.Namespace, tokenizer: Any) -> list[str]:
+def chat_prompts(a: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     """The questions of `a.dataset` (`a.prompts` of them; per category for Spec-Bench) that fit with
     `a.max_tokens` to generate, each as a one-turn chat in the model's template."""
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts as chat
 
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
-    return [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+    return chat(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tokenizer)
 
 
 def run_all(a: argparse.Namespace, make_engines: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:

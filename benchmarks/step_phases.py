@@ -59,11 +59,9 @@ def main() -> None:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
     else:
         from specserve.bench.datasets import open_dataset
-        from specserve.bench.spec import load_questions
-        from specserve.tokenizer import apply_chat_template
+        from specserve.bench.spec import chat_prompts
 
-        questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
-        prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+        prompts = chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
         params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     core = llm.engine.core
     if a.force_plain:

@@ -113,14 +113,12 @@ def main() -> None:
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts
 
     torch.set_num_threads(a.threads)
     plain = LLM(a.model, max_num_seqs=a.batch)
     llm = LLM(a.model, max_num_seqs=a.batch, speculative=dict(method="auto", draft_model=a.draft_model))
-    prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}])
-               for _, q in load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)]
+    prompts = chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, llm.tokenizer)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     plain2 = LLM(a.model, max_num_seqs=a.batch)
     for engine in (plain, llm, plain2):

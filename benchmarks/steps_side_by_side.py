@@ -47,8 +47,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
-    from specserve.tokenizer import apply_chat_template
+    from specserve.bench.spec import chat_prompts
 
     def build(variant: str) -> Any:
         method, *settings = variant.split(":")
@@ -67,8 +66,7 @@ def main() -> None:
     for n, llm in llms.items():
         record(llm.engine.core, steps[n])
     tok = llms[names[0]].tokenizer
-    questions = load_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for _, q in questions]
+    prompts = chat_prompts(open_dataset(a.dataset, None), a.prompts, a.max_tokens, tok)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     for n, llm in llms.items():
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up

@@ -68,6 +68,20 @@ def load_questions(dataset: Dataset, per_category: int, max_tokens: int, tokeniz
     return [(s.category or dataset.name, s.prompt) for s in draw.samples]
 
 
+def chat_questions(dataset: Dataset, per_category: int, max_tokens: int, tokenizer: Any) -> list[tuple[str, list[int]]]:
+    """`load_questions`, each question as a one-turn chat in the tokenizer's template: (category,
+    prompt token ids)."""
+    from specserve.tokenizer import apply_chat_template
+
+    return [(category, apply_chat_template(tokenizer, [{"role": "user", "content": q}]))
+            for category, q in load_questions(dataset, per_category, max_tokens, tokenizer)]
+
+
+def chat_prompts(dataset: Dataset, per_category: int, max_tokens: int, tokenizer: Any) -> list[list[int]]:
+    """The prompts of `chat_questions`."""
+    return [prompt for _, prompt in chat_questions(dataset, per_category, max_tokens, tokenizer)]
+
+
 def _draft_model(a: argparse.Namespace) -> str | None:
     """The draft model of the `draft-model` rows: the one named, or with `auto` (the default) the one
     found for the model among the user's GGUF files (`specserve.model.drafts`), or none."""
@@ -136,7 +150,6 @@ def _methods(a: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
 def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     from specserve import LLM, SamplingParams
     from specserve.entrypoints.engine_args import EngineArgs
-    from specserve.tokenizer import apply_chat_template
 
     paths = ReportPaths.from_args(a)
     if a.threads:
@@ -150,7 +163,7 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         base = base.with_(max_num_seqs=batch)
     rows: list[dict[str, Any]] = []
     per_method: dict[str, dict[str, Tally]] = {}
-    questions: list[tuple[str, str]] = []
+    questions: list[tuple[str, list[int]]] = []
     prompts: list[list[int]] | None = None
     verify_cost: list[dict[str, float]] = []
     methods = _methods(a)
@@ -165,8 +178,8 @@ def run_spec_bench(a: argparse.Namespace) -> list[dict[str, Any]]:
         llm = llms[name] = LLM.from_engine_args(base.with_(speculative=spec))
         llm.wait_for_huge_pages()  # its weights' collapse into 2 MB pages is not timed with anything
         if prompts is None:
-            questions = load_questions(dataset, a.per_category, a.max_tokens, llm.tokenizer)
-            prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": q}]) for _, q in questions]
+            questions = chat_questions(dataset, a.per_category, a.max_tokens, llm.tokenizer)
+            prompts = [prompt for _, prompt in questions]
             verify_cost = measure_verify_cost(llm, prompts[0])
             bar = progress(len(methods) * len(prompts), "spec bench generations")
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
@@ -332,7 +345,7 @@ def measure_verify_cost(llm: Any, prompt: list[int], max_k: int = 16, repeats: i
 
 
 def _transformers(
-    a: argparse.Namespace, questions: list[tuple[str, str]], prompts: list[list[int]]
+    a: argparse.Namespace, questions: list[tuple[str, list[int]]], prompts: list[list[int]]
 ) -> dict[str, dict[str, tuple[int, float, int, int]]]:
     from transformers import AutoModelForCausalLM
 
