@@ -1,12 +1,13 @@
 """Why a decode step drafted or not, step by step, under `auto` at batch 1 (Spec-Bench's first
-question of each category, greedy, `--max-tokens` with ignore_eos): for each step, the guard's
-mode for each drafter, the drafter chosen for the request and its grant, whether a model drafter's
-catch-up was judged not worth it (`Speculator._catch_up_unpaid`: its inputs and verdict), the trees
-proposed and the nodes verified, and the step-cost model's price of one more verified token. Then,
-by category: steps that verified drafts (by drafter), steps that asked and verified nothing (by
+question of each category, or --dataset's first --prompts questions; greedy, `--max-tokens` with
+ignore_eos): for each step, the guard's mode for each drafter, the drafter chosen for the request
+and its grant, whether a model drafter's catch-up was judged not worth it
+(`Speculator._catch_up_unpaid`: its inputs and verdict), the trees proposed and the nodes verified,
+and the step-cost model's price of one more verified token. Then, by category (by prompt elsewhere): steps that verified drafts (by drafter), steps that asked and verified nothing (by
 the drafter chosen, and whether its grant was 0 and why), and steps the guard kept plain.
 
     python benchmarks/propose_trace.py --model $M --draft-model $D --json trace.json
+    python benchmarks/propose_trace.py --model $M --draft-model $D --dataset humaneval --prompts 8 --json trace.json
 
 The instrumentation wraps the speculator's methods from outside (nothing in the engine changes);
 the wrapped calls cost microseconds against ~30 ms steps.
@@ -93,11 +94,13 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dataset", default="spec-bench", help="spec-bench (by category), humaneval, sharegpt, ...")
+    ap.add_argument("--prompts", type=int, default=1, help="a category's (Spec-Bench), else in all")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import open_dataset
-    from specserve.bench.spec import load_questions
+    from specserve.bench.spec import chat_questions
     from specserve.tokenizer import apply_chat_template
 
     torch.set_num_threads(a.threads)
@@ -109,10 +112,12 @@ def main() -> None:
     llm.generate(chat("Hello"), SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
     seconds: dict[str, float] = {}
-    for category, question in load_questions(open_dataset("spec-bench", None), 1, a.max_tokens, llm.tokenizer):
+    for i, (category, prompt) in enumerate(chat_questions(open_dataset(a.dataset, None), a.prompts, a.max_tokens,
+                                                          llm.tokenizer)):
+        category = category if a.dataset == "spec-bench" else f"{a.dataset}-{i}"
         where["category"] = category
         start = time.perf_counter()
-        llm.generate(chat(question), params, use_tqdm=False)
+        llm.generate(prompt, params, use_tqdm=False)
         seconds[category] = round(time.perf_counter() - start, 2)
     by: dict[str, Counter] = defaultdict(Counter)
     for step in log:
