@@ -11,8 +11,9 @@
 //                                      starts a new sequence. Returns the sequence's id.
 //   close(seq)                         the sequence is complete: drop its open windows
 //   remove(seq)                        undo the sequence's indexing (counts drop, empty nodes go)
-//   length(seq), tail(seq, n)          its length and last n tokens (the drafter's prefix check)
+//   length(seq), tail(seq, n)          its length and last n tokens (tests)
 //   children(pattern)                  (tokens, counts) continuing `pattern`, first seen first (tests)
+//   num_nodes()                        nodes in use, the root included (tests)
 //   speculate(context, max_depth, budget, max_spec_factor, min_prob)
 //       -> (tokens, parents, conditional, score): the longest suffix of `context` (at most
 //          max_depth) with a continuation, and the tree grown from it; score < 0: no match.
