@@ -11,7 +11,7 @@
 //                                      starts a new sequence. Returns the sequence's id.
 //   close(seq)                         the sequence is complete: drop its open windows
 //   remove(seq)                        undo the sequence's indexing (counts drop, empty nodes go)
-//   length(seq), tail(seq, n)          its length and last n tokens (tests)
+//   tail(seq, n)                       its last n tokens (tests)
 //   children(pattern)                  (tokens, counts) continuing `pattern`, first seen first (tests)
 //   num_nodes()                        nodes in use, the root included (tests)
 //   speculate(context, max_depth, budget, max_spec_factor, min_prob)
@@ -194,11 +194,6 @@ struct SuffixTrie : torch::CustomClassHolder {
         free_seqs.push_back((int32_t)seq);
     }
 
-    int64_t length(int64_t seq) const {
-        TORCH_CHECK(seq >= 0 && seq < (int64_t)seqs.size(), "SuffixTrie.length: no sequence ", seq);
-        return (int64_t)seqs[seq].size();
-    }
-
     std::vector<int64_t> tail(int64_t seq, int64_t n) const {
         TORCH_CHECK(seq >= 0 && seq < (int64_t)seqs.size(), "SuffixTrie.tail: no sequence ", seq);
         const auto& s = seqs[seq];
@@ -359,7 +354,6 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
         .def("extend", &specserve::SuffixTrie::extend)
         .def("close", &specserve::SuffixTrie::close)
         .def("remove", &specserve::SuffixTrie::remove)
-        .def("length", &specserve::SuffixTrie::length)
         .def("tail", &specserve::SuffixTrie::tail)
         .def("num_nodes", &specserve::SuffixTrie::num_nodes)
         .def("children", &specserve::SuffixTrie::children)

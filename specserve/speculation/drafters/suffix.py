@@ -371,9 +371,11 @@ def NativeSuffixIndex(depth: int) -> SuffixIndex:
 
 @dataclass
 class _RequestIndex:
-    """A request's own tokens, indexed: how many, and the last `TAIL` of them (the prefix check)."""
+    """A request's own tokens, indexed as one sequence of `index`: how many, and the first and last
+    ENDS of them (the prefix check)."""
 
     index: SuffixIndex
+    seq: int = -1  # the sequence's id in `index` once started
     length: int = 0
     head: tuple[int, ...] = ()
     tail: tuple[int, ...] = ()
@@ -392,9 +394,10 @@ class _RequestIndex:
 
     def extend(self, tokens: tuple[int, ...]) -> None:
         if len(tokens) > self.length:
-            self.index.extend(0 if self.length else -1, list(tokens[self.length :]))
+            self.seq = self.index.extend(self.seq, list(tokens[self.length :]))
+            if self.length < self.ENDS:
+                self.head = tokens[: self.ENDS]
             self.length = len(tokens)
-            self.head = tokens[: self.ENDS]
             self.tail = tokens[max(0, self.length - self.ENDS) :]
 
 
