@@ -10,6 +10,7 @@ a speed: timing checks are lower bounds set by the fake server's own sleeps.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import statistics
@@ -385,18 +386,24 @@ def _samples(prompts: list[str], output_len: int = 10) -> list[Sample]:
 
 
 def test_latencies_are_measured_from_the_stream(fake: FakeOpenAIServer) -> None:
-    """Protects TTFT / TPOT / ITL / E2EL: each at least the delay the server injected, TPOT from
-    (E2EL - TTFT) / (tokens - 1), output tokens from the usage chunk, one ITL per later chunk."""
+    """Protects TTFT / TPOT / ITL / E2EL: chunk k arrives no sooner than the server sent it (TTFT plus
+    k per-token delays), TPOT from (E2EL - TTFT) / (tokens - 1), output tokens from the usage chunk,
+    one ITL per later chunk.
+
+    A single gap has no lower bound: when the client falls behind (a loaded CI machine), two chunks
+    wait in the socket together and are read back to back. What the stream guarantees is the
+    arrival time of each chunk since the request started, so that is what is asserted."""
     fake.b.ttft_s, fake.b.per_token_s = 0.08, 0.02
     run = LoadGenerator(LoadConfig(fake.base_url, show_progress=False)).run(_samples(["a", "bb", "ccc"], 10))
     assert run.model == "fake" and run.metrics.completed == 3 and run.metrics.failed == 0
     for r in run.results:
         assert r.ok and r.output_tokens == 10 and len(r.itl_s) == 9
-        assert r.ttft_s >= 0.08
-        assert all(gap >= 0.015 for gap in r.itl_s)  # asyncio.sleep never returns early by more than clock slack
-        assert r.e2el_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+        assert r.ttft_s >= 0.08 and all(gap >= 0 for gap in r.itl_s)
+        arrivals = list(itertools.accumulate(r.itl_s, initial=r.ttft_s))
+        # asyncio.sleep never returns early by more than clock slack: 2 ms a sleep is generous.
+        assert all(t >= 0.08 + 0.02 * k - 0.002 * (k + 1) for k, t in enumerate(arrivals)), arrivals
+        assert r.e2el_s >= arrivals[-1] - 1e-6
         assert r.tpot_s == pytest.approx((r.e2el_s - r.ttft_s) / 9)
-        assert r.tpot_s >= 0.015
     m = run.metrics
     assert m.total_output_tokens == 30 and m.total_input_tokens == 6  # usage.prompt_tokens
     assert m.ttft.mean == pytest.approx(statistics.fmean(r.ttft_s for r in run.results) * 1e3)
