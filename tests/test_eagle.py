@@ -198,6 +198,58 @@ def test_bfloat16_training_learns_and_keeps_float32_weights(tiny_llama: Path, tm
         dataclasses.replace(config, precision="float16")
 
 
+def test_soft_token_targets_are_the_targets_distribution_at_the_row() -> None:
+    """--soft-tokens: the token loss is the cross-entropy against the target's distribution from its
+    next state at the same row, so it is least (the distribution's entropy) when the head's output is
+    that state, higher for the row before's state, and higher for a sharpened copy, which the loss on
+    the choice alone prefers; accuracy is judged on the choice either way."""
+    from specserve.train.drafter import _terms, target_distribution
+
+    torch.manual_seed(0)
+    lm_rows, nxt = torch.randn(50, 16), torch.randn(2, 7, 16)
+    probs = target_distribution(nxt, lm_rows)
+    assert torch.allclose(probs, (nxt @ lm_rows.T).softmax(-1)) and probs.shape == (2, 7, 50)
+    labels = probs.argmax(-1)
+    labels[0, :2] = -100
+    fmask = torch.ones(2, 7, dtype=torch.bool)
+
+    def losses(out: torch.Tensor) -> tuple[float, float]:
+        soft = _terms(out, lm_rows, nxt, labels, fmask, probs)
+        hard = _terms(out, lm_rows, nxt, labels, fmask)
+        assert soft[2] == hard[2] and soft[3] == hard[3] == 12  # the same accuracy on the same rows
+        return soft[1].item(), hard[1].item()
+
+    kept = probs[labels >= 0]
+    entropy = -(kept * kept.log()).sum(-1).mean().item()
+    at_target, sharper, shifted = losses(nxt), losses(3 * nxt), losses(nxt.roll(1, dims=1))
+    assert at_target[0] == pytest.approx(entropy, rel=1e-5)
+    assert sharper[0] > at_target[0] + 0.1 and shifted[0] > at_target[0] + 0.1
+    assert sharper[1] < at_target[1], "the choice alone rewards a sharper copy; the distribution does not"
+
+
+def test_soft_token_training_learns_from_the_distribution_and_is_judged_on_the_choice(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --soft-tokens every training step's token loss takes the target's distribution (one
+    computation a step, shared by its passes), the held-out evaluation none (it is judged on the
+    choice), and the loss falls; the head records how it was trained."""
+    from specserve.train import drafter
+
+    calls: list[bool] = []
+    distribution = drafter.target_distribution
+
+    def counting(next_feats: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.is_grad_enabled())
+        return distribution(next_feats, lm_rows)
+
+    monkeypatch.setattr(drafter, "target_distribution", counting)
+    config = dataclasses.replace(_train_config(tiny_llama, tmp_path), soft_tokens=True)
+    head = DrafterTrainer(config).run()
+    log = [json.loads(line) for line in (head / "train_log.jsonl").read_text().splitlines()]
+    assert len(calls) == log[-1]["step"] and all(calls), "one distribution a training step, none in evaluation"
+    assert log[-1]["loss"] < log[0]["loss"] - 0.2, "training must lower the loss"
+    assert json.loads((head / "config.json").read_text())["trained"]["soft_tokens"] is True
+
+
 @pytest.fixture(scope="module")
 def one_layer(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     target = tiny_model_factory("one-layer", num_hidden_layers=1, seed=5)

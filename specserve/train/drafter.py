@@ -65,6 +65,10 @@ class TrainConfig:
     own_feature_weight: float = 0.5  # each pass on the head's own features (0: none)
     own_feature_passes: int = 1  # passes on the head's own features: pass k trains drafting depth k + 1
     answer_only: bool = False  # token loss on answer tokens only (else everywhere, on the target's choice)
+    # the token loss against the target's whole distribution over the draft vocabulary (softmax of
+    # its LM head over the stored next state: EAGLE-1's classification loss) instead of its choice
+    # alone; the same rows either way, and held-out accuracy is judged on the choice
+    soft_tokens: bool = False
     # EAGLE-3's fused features: the target's states after these layers join the last one's, as
     # "2,14" (layer counts from the input), "auto" (2 and half the layers) or "" (the last only)
     feature_layers: str = ""
@@ -415,7 +419,8 @@ class DrafterTrainer:
             for batch in batches[step - epoch * batches_per_epoch:]:
                 head.train()
                 with amp():
-                    losses = self._losses(head, lm_rows, data, batch, passes, noise=c.feature_noise)
+                    losses = self._losses(head, lm_rows, data, batch, passes, noise=c.feature_noise,
+                                          soft=c.soft_tokens)
                     loss = losses["feature"] + c.token_weight * losses["token"]
                     for k in range(2, passes + 1):
                         loss = loss + c.own_feature_weight * (losses[f"feature{k}"] + c.token_weight * losses[f"token{k}"])
@@ -481,22 +486,25 @@ class DrafterTrainer:
         return counts.topk(self.c.draft_vocab).indices.sort().values
 
     def _losses(self, head: EagleHead, lm_rows: torch.Tensor, data: "_Data", batch: list[tuple[int, int, int]],
-                passes: int, noise: float = 0.0) -> dict[str, torch.Tensor]:
+                passes: int, noise: float = 0.0, soft: bool = False) -> dict[str, torch.Tensor]:
         """Pass 1 reads the target's features; pass k > 1 reads, at row j, the head's own prediction
         of f_j from pass k - 1 (row j - 1), as drafting does when it expands a depth-(k - 1) node into
         depth k, and attends as that node does (EAGLE-3's training-time test): to the target-fed rows up to j - k + 1 and to
         its own chain of earlier passes' rows (`_ChainAttend`). Keys: feature{k}, token{k}, acc{k},
-        labels{k} (how many rows acc{k} counts; pass 1 without the number)."""
+        labels{k} (how many rows acc{k} counts; pass 1 without the number). With `soft`, the token
+        loss of every pass is against the target's distribution at the row (`target_distribution`)."""
         feats, embeds, positions, next_feats, labels, fmask = data.batch(batch)
         if noise > 0:
             feats = feats + (torch.rand_like(feats) * 2 - 1) * noise
+        probs = target_distribution(next_feats, lm_rows) if soft else None
         outs = head_passes(head, feats, embeds, positions, passes)
         names = ("feature", "token", "acc", "labels")
-        result = dict(zip(names, _terms(outs[0], lm_rows, next_feats, labels, fmask)))
+        result = dict(zip(names, _terms(outs[0], lm_rows, next_feats, labels, fmask, probs)))
         for k, out in enumerate(outs[1:], start=2):
             valid = torch.arange(out.shape[1], device=out.device) >= k - 1  # rows with a whole chain
             keep = labels.masked_fill(~valid, -100)
-            result.update(zip((f"{n}{k}" for n in names), _terms(out, lm_rows, next_feats, keep, fmask & valid)))
+            result.update(zip((f"{n}{k}" for n in names),
+                              _terms(out, lm_rows, next_feats, keep, fmask & valid, probs)))
         return result
 
     @torch.no_grad()
@@ -609,13 +617,24 @@ class _ChainAttend:
         return causal_attend(q, torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1), mask)
 
 
+def target_distribution(next_feats: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution over the draft vocabulary at each row [B, L, V]: its LM
+    head's rows over its stored state f_{j+1} (final-normed: the logits exactly), renormalized over
+    those rows. Float32 outside autocast: bfloat16 logits would move probabilities by ~10%."""
+    with torch.no_grad(), torch.autocast(next_feats.device.type, enabled=False):
+        return (next_feats.float() @ lm_rows.float().T).softmax(-1)
+
+
 def _terms(out: torch.Tensor, lm_rows: torch.Tensor, next_feats: torch.Tensor, labels: torch.Tensor,
-           fmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Feature loss, token loss, top-1 accuracy and the number of labelled rows of one pass."""
+           fmask: torch.Tensor, probs: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Feature loss, token loss (against `labels`, or with `probs` against the target's distribution
+    on the same rows), top-1 accuracy on `labels` and the number of labelled rows of one pass."""
     feature = F.smooth_l1_loss(out[fmask].float(), next_feats[fmask])
     keep = labels >= 0
     logits = out[keep] @ lm_rows.T
-    token = F.cross_entropy(logits, labels[keep]) if logits.shape[0] else out.sum() * 0
+    target = labels[keep] if probs is None else probs[keep]
+    token = F.cross_entropy(logits.float(), target) if logits.shape[0] else out.sum() * 0
     acc = (logits.argmax(-1) == labels[keep]).float().mean() if logits.shape[0] else out.new_zeros(())
     return feature, token, acc, keep.sum()
 
